@@ -1,0 +1,13 @@
+"""vllm-sinks: attention sinks applied correctly on every vLLM code path.
+
+vLLM calls :func:`register` (entry point ``vllm.general_plugins``) in each of its processes.
+"""
+
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    """vLLM plugin entry point: apply every applicable patch, once per process."""
+    from vllm_sinks.patches.registry import register_all
+
+    register_all()

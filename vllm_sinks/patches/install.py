@@ -1,0 +1,32 @@
+"""Idempotent attribute replacement: the one way our patches edit vLLM objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ORIGINAL = "__vllm_sinks_original__"
+_PATCH = "__vllm_sinks_patch__"
+
+
+def install(owner: Any, attr: str, new: Any, patch: str) -> bool:
+    """Set ``owner.attr = new`` unless our patch is already there; remember the original.
+
+    Returns True if this call changed something. ``new`` must accept attributes (functions do).
+    """
+    current = getattr(owner, attr)
+    if getattr(current, _PATCH, None) == patch:
+        return False
+    setattr(new, _ORIGINAL, current)
+    setattr(new, _PATCH, patch)
+    setattr(owner, attr, new)
+    return True
+
+
+def original(obj: Any) -> Any:
+    """The upstream object a patched one replaced (``obj`` itself if it is not ours)."""
+    return getattr(obj, _ORIGINAL, obj)
+
+
+def patched_by(obj: Any) -> str | None:
+    """Name of the vllm-sinks patch that installed ``obj``, or None."""
+    return getattr(obj, _PATCH, None)
