@@ -25,4 +25,27 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="TODO",
         hooks="vllm_sinks.patches.prefill_op",
     ),
+    Patch(
+        name="transformers-sinks",
+        targets=(
+            "vllm.model_executor.models.transformers.base.Base.create_attention_instances",
+            "vllm.model_executor.models.transformers (attention interface)",
+        ),
+        fork="vllm_sinks/model_executor/models/transformers/base.py",
+        upstream_pr="TODO",
+        why="TODO",
+        how="TODO",
+        remove_when="TODO",
+        hooks="vllm_sinks.patches.transformers_sinks",
+    ),
+    Patch(
+        name="mimo-vision-sinks",
+        targets=("vllm.model_executor.models.mimo_v2_omni.MiMoVisionAttention._forward_window_attn",),
+        fork="vllm_sinks/model_executor/models/mimo_v2_omni.py",
+        upstream_pr="TODO",
+        why="TODO",
+        how="TODO",
+        remove_when="TODO",
+        hooks="vllm_sinks.patches.mimo_vision_sinks",
+    ),
 )
