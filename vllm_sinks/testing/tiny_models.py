@@ -1,0 +1,269 @@
+"""Tiny random-weight models of every sink family, built locally (the CPU harness has no model hub).
+
+``tiny_model(family, dtype)`` builds a model from the installed transformers' own config and
+causal-LM classes, gives every attention sink a value drawn from N(0, 2²) (checkpoints initialise
+sinks to 0 or a constant, which would hide a dropped sink), saves it with ``save_pretrained`` (so
+the checkpoint has the upstream on-disk names, as a real one would) beside our tokenizer, and caches
+the directory. The cache key covers family, dtype, seed, transformers version and a hash of the
+builder code, so editing this file or upgrading transformers rebuilds instead of reusing stale
+weights. Builds are atomic (temp dir + rename) because several test processes may ask at once.
+
+The bf16 model is the fp32 one loaded with ``dtype=torch.bfloat16`` and saved again: HF then keeps
+the modules its model class pins to fp32 (DeepSeek V4 / HY V4 / privacy-filter sinks) in fp32, as
+the real checkpoints of those families do, and both dtypes share the same underlying draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+from vllm_sinks.testing import tokenizer as _tok
+
+#: Standard deviation of the sink values. Large enough that sinks soak up a visible share of the
+#: attention mass (sink logit vs. ordinary scores of O(1)), so dropping them moves the logprobs.
+SINK_STD = 2.0
+
+#: Weight init std for every other parameter. HF's 0.02 makes a 64-wide model's logits nearly flat
+#: (every logprob ≈ -log(vocab)), so no difference between implementations would show; at 0.2 the
+#: attention scores and logits are O(1) and a wrong attention path is visible in the logprobs.
+INIT_STD = 0.2
+
+DTYPES = ("float32", "bfloat16")
+_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32",
+                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+    config_class: str  # name in the top-level ``transformers`` namespace
+    model_class: str  # the class we instantiate (its name is the checkpoint's ``architectures``)
+    config: dict[str, Any]  # tiny overrides of the family's defaults
+    causal: bool = True  # False: an encoder (token classification), not a causal LM
+
+
+_COMMON = dict(vocab_size=_tok.VOCAB_SIZE, pad_token_id=_tok.PAD_ID, bos_token_id=_tok.BOS_ID,
+               eos_token_id=_tok.EOS_ID, initializer_range=INIT_STD)
+
+# Sizes from the shared notes (sink-families.md): each builds in well under 2 s and runs a forward in
+# milliseconds. sliding_window 8 < the ~48-token prompt, so the sliding-window path is exercised too.
+_SPECS: dict[str, FamilySpec] = {
+    "gpt_oss": FamilySpec("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, max_position_embeddings=131072, tie_word_embeddings=False)),
+    "granite_swa": FamilySpec("GraniteSWAConfig", "GraniteSWAForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, attention_multiplier=0.25, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "full_attention"])),
+    "granitemoe_swa": FamilySpec("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, attention_multiplier=0.25, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v4": FamilySpec("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        partial_rotary_factor=0.25, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
+        mlp_layer_types=["moe", "moe", "moe"],  # hash_moe (the default) routes by input id
+        sliding_window=8, hc_mult=2, hc_sinkhorn_iters=3, index_n_heads=2, index_head_dim=16,
+        index_topk=2, num_nextn_predict_layers=0, max_position_embeddings=4096)),
+    "mimo_v2_flash": FamilySpec("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
+        num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse"], hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=4096)),
+    "hy_v4": FamilySpec("HYV4Config", "HYV4ForCausalLM", dict(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, head_dim=24, index_topk=4, index_head_dim=16,
+        index_n_heads=2, hc_mult=2, max_position_embeddings=4096)),
+    "openai_privacy_filter": FamilySpec("OpenAIPrivacyFilterConfig",
+                                        "OpenAIPrivacyFilterForTokenClassification", dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, max_position_embeddings=131072, num_labels=5), causal=False),
+}
+
+FAMILIES: tuple[str, ...] = tuple(_SPECS)
+
+
+def _spec(family: str) -> FamilySpec:
+    try:
+        return _SPECS[family]
+    except KeyError:
+        raise ValueError(f"unknown sink family {family!r}; known: {', '.join(FAMILIES)}") from None
+
+
+def canonical_dtype(dtype: str) -> str:
+    """'fp32'/'float32' -> 'float32', 'bf16'/'bfloat16' -> 'bfloat16'; anything else is an error."""
+    key = str(dtype).removeprefix("torch.").lower()
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"dtype {dtype!r}: tiny models are saved in {' or '.join(DTYPES)}")
+    return _DTYPE_ALIASES[key]
+
+
+def _transformers_class(name: str):
+    import transformers
+
+    return getattr(transformers, name, None)
+
+
+def family_available(family: str) -> bool:
+    """True when the installed transformers has this family's config and model classes."""
+    spec = _spec(family)
+    try:
+        return (_transformers_class(spec.config_class) is not None
+                and _transformers_class(spec.model_class) is not None)
+    except ImportError:  # transformers not installed, or the lazy module fails to import
+        return False
+
+
+def model_class(family: str):
+    """The transformers class a family's tiny model is built from (and loads with)."""
+    spec = _spec(family)
+    cls = _transformers_class(spec.model_class)
+    if cls is None:
+        raise RuntimeError(f"transformers {_transformers_version()} has no {spec.model_class} ({family})")
+    return cls
+
+
+def is_causal(family: str) -> bool:
+    return _spec(family).causal
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def _builder_hash() -> str:
+    # Anything that changes the bytes we write: this file, the tokenizer code and its corpus.
+    h = hashlib.sha256()
+    here = pathlib.Path(__file__).parent
+    for name in ("tiny_models.py", "tokenizer.py", "data/corpus.txt"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def default_cache_dir() -> pathlib.Path:
+    root = os.environ.get("VLLM_SINKS_CACHE")
+    return pathlib.Path(root) / "models" if root else pathlib.Path.home() / ".cache" / "vllm-sinks" / "models"
+
+
+def _model_dir_name(family: str, dtype: str, seed: int) -> str:
+    return f"{family}-{dtype}-seed{seed}-tf{_transformers_version()}-{_builder_hash()}"
+
+
+def _draw_sinks(model, seed: int) -> int:
+    """Overwrite every ``sinks`` parameter with N(0, SINK_STD²); return how many layers have one."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1_000_003)  # independent of the weight init stream
+    count = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            sinks = getattr(module, "sinks", None)
+            if isinstance(sinks, torch.nn.Parameter):  # MiMo full-attention layers have sinks = None
+                draw = torch.randn(sinks.shape, generator=gen, dtype=torch.float32) * SINK_STD
+                sinks.copy_(draw.to(sinks.dtype))
+                count += 1
+    return count
+
+
+def _build_fp32(family: str, seed: int, out: pathlib.Path) -> None:
+    import torch
+
+    spec = _spec(family)
+    cfg_cls, cls = _transformers_class(spec.config_class), model_class(family)
+    config = cfg_cls(**_COMMON, **spec.config)
+    config.architectures = [spec.model_class]
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    if _draw_sinks(model, seed) == 0:
+        raise RuntimeError(f"{spec.model_class} built without any `sinks` parameter: "
+                           "transformers changed the family, update vllm_sinks/testing/tiny_models.py")
+    model.save_pretrained(str(out))
+
+
+def _build_from_fp32(family: str, dtype: str, fp32_dir: pathlib.Path, out: pathlib.Path) -> None:
+    import torch
+
+    model = model_class(family).from_pretrained(str(fp32_dir), dtype=getattr(torch, dtype))
+    model.save_pretrained(str(out))
+
+
+def tiny_model(family: str, dtype: str = "float32", *, cache_dir: str | os.PathLike | None = None,
+               seed: int = 0) -> pathlib.Path:
+    """Build (once) and return the directory of a tiny ``family`` model saved in ``dtype``.
+
+    The directory holds config.json, model.safetensors and the tokenizer files.
+    """
+    _spec(family)
+    dtype = canonical_dtype(dtype)
+    if not family_available(family):
+        raise RuntimeError(f"transformers {_transformers_version()} has no {family} model classes")
+    root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / _model_dir_name(family, dtype, seed)
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    fp32_dir = tiny_model(family, "float32", cache_dir=root, seed=seed) if dtype != "float32" else None
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        if fp32_dir is None:
+            _build_fp32(family, seed, tmp)
+        else:
+            _build_from_fp32(family, dtype, fp32_dir, tmp)
+        _tok.save_tokenizer(tmp)
+        (tmp / "vllm_sinks_build.json").write_text(json.dumps(dict(
+            family=family, dtype=dtype, seed=seed, transformers=_transformers_version(),
+            builder=_builder_hash(), sink_std=SINK_STD, init_std=INIT_STD), indent=1))
+        try:
+            os.rename(tmp, final)  # the commit point: a complete directory appears at once
+        except OSError:
+            if not (final / "config.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _is_sink_name(name: str) -> bool:
+    # Checkpoint names differ per family (``...self_attn.sinks``, DeepSeek's ``...attn.attn_sink``,
+    # HY's ``...learnable_sink_param``): every one is the last component and mentions "sink".
+    return "sink" in name.rsplit(".", 1)[-1]
+
+
+def sink_parameters(model_dir: str | os.PathLike) -> dict[str, "torch.Tensor"]:  # noqa: F821
+    """Checkpoint name -> tensor of every sink parameter saved in ``model_dir`` (as stored on disk)."""
+    from safetensors import safe_open
+
+    model_dir = pathlib.Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    out = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if _is_sink_name(name):
+                    out[name] = f.get_tensor(name)
+    if not out:
+        raise ValueError(f"{model_dir}: no sink parameter in the checkpoint")
+    return out
