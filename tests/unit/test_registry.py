@@ -178,3 +178,30 @@ def test_every_registry_entry_is_documented():
             assert text and "TODO" not in text, f"{p.name}.{field} is not written"
         assert p.targets and all(t.startswith("vllm.") for t in p.targets)
         assert p.env_var.startswith("VLLM_SINKS_")
+
+
+def test_forked_child_logs_its_own_line():
+    # vLLM's start method on GPU is fork: the child inherits the patches and vLLM's "plugins loaded"
+    # flag, so register() is not called there. The at-fork hook must still give the child its line.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os
+        from vllm_sinks.patches import registry
+        registry.apply_all = lambda info=None: ()
+        registry.register_all()
+        registry.register_all()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("parent", os.getpid(), "child", pid)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    _, parent, _, child = proc.stdout.split()
+    lines = [line for line in proc.stderr.splitlines() if "[vllm-sinks]" in line]
+    assert len(lines) == 2, proc.stderr
+    assert f"pid {parent} " in lines[0] and f"pid {child} " in lines[1], proc.stderr

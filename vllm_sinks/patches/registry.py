@@ -235,15 +235,25 @@ def register_all() -> tuple[Result, ...]:
     with _lock:
         info = detect_vllm()
         results = apply_all(info)
-        if _logged_in_pid != os.getpid():
-            _logged_in_pid = os.getpid()
-            _ensure_handler()
-            if info.installed and not info.supported:
-                logger.warning("vllm-sinks: %s is outside the supported range %s … %s; nothing patched",
-                               info.describe(), SUPPORTED_MIN, SUPPORTED_MAX)
-            else:
-                logger.info("%s", report_line(results, info))
+        if _logged_in_pid is None:
+            # A forked child (vLLM's default start method on GPU) inherits the patched modules and
+            # vLLM's own "plugins loaded" flag, so nobody calls us there: say so from the child.
+            os.register_at_fork(after_in_child=lambda: _log_once(info, results))
+        _log_once(info, results)
         return results
+
+
+def _log_once(info: VllmInfo, results: tuple[Result, ...]) -> None:
+    global _logged_in_pid
+    if _logged_in_pid == os.getpid():
+        return
+    _logged_in_pid = os.getpid()
+    _ensure_handler()
+    if info.installed and not info.supported:
+        logger.warning("vllm-sinks: %s is outside the supported range %s … %s; nothing patched",
+                       info.describe(), SUPPORTED_MIN, SUPPORTED_MAX)
+    else:
+        logger.info("%s", report_line(results, info))
 
 
 def _reset_for_tests() -> None:
