@@ -42,10 +42,35 @@ PATCHES: tuple[Patch, ...] = (
         name="mimo-vision-sinks",
         targets=("vllm.model_executor.models.mimo_v2_omni.MiMoVisionAttention._forward_window_attn",),
         fork="vllm_sinks/model_executor/models/mimo_v2_omni.py",
-        upstream_pr="TODO",
-        why="TODO",
-        how="TODO",
-        remove_when="TODO",
+        upstream_pr=(
+            "vllm-project/vllm#49815 (merged, in 0.28.0+: `sinks_bias_key0` op mode, MiMo window path "
+            "through the Triton prefill op; fixes #47864). Data-parallel-ViT slicing: no upstream fix or "
+            "issue found. #58235 (cited downstream for the null-logit reading): unverified, we could not "
+            "read it."
+        ),
+        why=(
+            "MiMo-V2.5's 24 window-attention vision blocks carry per-head `sinks`. vLLM 0.27.x loads them "
+            "and never uses them (flash attention with a window, no sink): 1.2e-1 to 2.1e-1 from the "
+            "reference. 0.28 … 0.33 apply them through the prefill op but slice them by the global TP "
+            "rank: with a data-parallel ViT (every rank holds all heads) rank >= 1 gets an empty slice "
+            "and the op fails (latent until MiMo-V2-Omni declares `supports_encoder_tp_data`)."
+        ),
+        how=(
+            "Replaces `_forward_window_attn` (same signature) with ours: non-causal, window "
+            "`visual_token_window_size` each side, this rank's sinks sliced by the ViT's own head "
+            "partition (the QKV projection's shard), `max_seqlen` passed without a device-to-host sync. "
+            "0.27.x calls the vllm-sinks prefill op; 0.28+ calls "
+            "`vllm.v1.attention.ops.triton_prefill_attention.context_attention_fwd` (where the prefill-op "
+            "patch puts ours). Sink semantics: `VLLM_SINKS_MIMO_SINK_SEMANTICS` = `key0` (default, bias "
+            "on key 0's logit) or `null` (opt-in, null logit); evidence in docs/mimo-sink-semantics.md. "
+            "Stands down where upstream reads the sinks, slices them per ViT partition and uses the "
+            "selected semantics (probed on a fake data-parallel rank-1 layer)."
+        ),
+        remove_when=(
+            "The supported range starts at 0.28 or later and upstream slices the sinks by the ViT "
+            "partition (or MiMo-V2-Omni never runs a data-parallel ViT), with the semantics question "
+            "settled upstream."
+        ),
         hooks="vllm_sinks.patches.mimo_vision_sinks",
     ),
 )

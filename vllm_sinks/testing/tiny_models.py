@@ -15,6 +15,7 @@ the real checkpoints of those families do, and both dtypes share the same underl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -55,17 +56,19 @@ _COMMON = dict(vocab_size=_tok.VOCAB_SIZE, pad_token_id=_tok.PAD_ID, bos_token_i
 
 # Sizes from the shared notes (sink-families.md): each builds in well under 2 s and runs a forward in
 # milliseconds. sliding_window 8 < the ~48-token prompt, so the sliding-window path is exercised too.
+# Every attention head dim is 32 or 64: vLLM's CPU attention kernel accepts only 32, 64, 80, ... 256
+# (CPUAttentionBackend.get_supported_head_sizes), so the notes' 16 / 24 would not run in vLLM on CPU.
 _SPECS: dict[str, FamilySpec] = {
     "gpt_oss": FamilySpec("GptOssConfig", "GptOssForCausalLM", dict(
         num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=8, max_position_embeddings=131072, tie_word_embeddings=False)),
     "granite_swa": FamilySpec("GraniteSWAConfig", "GraniteSWAForCausalLM", dict(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_hidden_layers=2, hidden_size=128, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=8, attention_multiplier=0.25, max_position_embeddings=4096,
         layer_types=["sliding_attention", "full_attention"])),
     "granitemoe_swa": FamilySpec("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", dict(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+        num_hidden_layers=2, hidden_size=128, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=8, attention_multiplier=0.25, num_local_experts=4,
         num_experts_per_tok=2, max_position_embeddings=4096,
         layer_types=["sliding_attention", "full_attention"])),
@@ -82,19 +85,19 @@ _SPECS: dict[str, FamilySpec] = {
     "mimo_v2_flash": FamilySpec("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
         num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
         mlp_layer_types=["dense", "sparse"], hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
-        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, sliding_window=8,
+        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+        v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, sliding_window=8,
         max_position_embeddings=4096)),
     "hy_v4": FamilySpec("HYV4Config", "HYV4ForCausalLM", dict(
         num_hidden_layers=3, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, head_dim=24, index_topk=4, index_head_dim=16,
+        num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=24,
+        qk_rope_head_dim=8, v_head_dim=32, head_dim=32, index_topk=4, index_head_dim=16,
         index_n_heads=2, hc_mult=2, max_position_embeddings=4096)),
     "openai_privacy_filter": FamilySpec("OpenAIPrivacyFilterConfig",
                                         "OpenAIPrivacyFilterForTokenClassification", dict(
         num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=8, max_position_embeddings=131072, num_labels=5), causal=False),
 }
 
@@ -170,6 +173,20 @@ def _model_dir_name(family: str, dtype: str, seed: int) -> str:
     return f"{family}-{dtype}-seed{seed}-tf{_transformers_version()}-{_builder_hash()}"
 
 
+@contextlib.contextmanager
+def quiet_progress_bars():
+    # save/load print tqdm bars per call; in a test log they are noise. Restore what was there.
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _draw_sinks(model, seed: int) -> int:
     """Overwrite every ``sinks`` parameter with N(0, SINK_STD²); return how many layers have one."""
     import torch
@@ -226,10 +243,11 @@ def tiny_model(family: str, dtype: str = "float32", *, cache_dir: str | os.PathL
     fp32_dir = tiny_model(family, "float32", cache_dir=root, seed=seed) if dtype != "float32" else None
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        if fp32_dir is None:
-            _build_fp32(family, seed, tmp)
-        else:
-            _build_from_fp32(family, dtype, fp32_dir, tmp)
+        with quiet_progress_bars():
+            if fp32_dir is None:
+                _build_fp32(family, seed, tmp)
+            else:
+                _build_from_fp32(family, dtype, fp32_dir, tmp)
         _tok.save_tokenizer(tmp)
         (tmp / "vllm_sinks_build.json").write_text(json.dumps(dict(
             family=family, dtype=dtype, seed=seed, transformers=_transformers_version(),

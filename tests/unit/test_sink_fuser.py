@@ -1,0 +1,313 @@
+"""SinkFuser: which tensor each attention module passes as ``s_aux``, read from its FX graph.
+
+Needs torch + transformers only (no vLLM); runs in every venv, so on transformers 5.17 (vLLM 0.27.1's
+venv), 5.19 (the no-vLLM venv, vLLM 0.32.0's) and 5.24 (vLLM 0.29.0's, the ``@deprecate_kwarg`` era).
+
+The oracle for the real families is independent of the tracer: a forward pass of the whole tiny
+model through a spy attention interface that records which tensor object each module hands over.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from torch import fx, nn  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface  # noqa: E402
+
+from vllm_sinks.model_executor.models.transformers.fusers.sink import (  # noqa: E402
+    AttentionSite,
+    SinkFuser,
+    SinkFuserError,
+    SinkSite,
+    attention_interface_call,
+)
+from vllm_sinks.testing import tiny_models  # noqa: E402
+
+FAMILIES = [f for f in tiny_models.FAMILIES if tiny_models.family_available(f)]
+SPY = "vllm_sinks_test_spy"
+_SPY_CALLS: list[tuple[nn.Module, object]] = []
+
+
+def _spy_interface(module, query, key, value, attention_mask, **kwargs):
+    """Records (module, s_aux); returns zeros shaped like eager's output [batch, tokens, heads, dim_v]."""
+    _SPY_CALLS.append((module, kwargs.get("s_aux")))
+    batch, heads, tokens, _ = query.shape
+    return value.new_zeros(batch, tokens, heads, value.shape[-1]), None
+
+
+AttentionInterface.register(SPY, _spy_interface)
+# The models build their 4-D masks per attention implementation; the spy wants eager's.
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask  # noqa: E402
+
+ALL_MASK_ATTENTION_FUNCTIONS.register(SPY, eager_mask)
+
+
+def _tiny_model(family: str, device: str = "cpu") -> nn.Module:
+    spec = tiny_models._spec(family)
+    config = getattr(transformers, spec.config_class)(**tiny_models._COMMON, **spec.config)
+    config._attn_implementation = SPY
+    torch.manual_seed(0)
+    with torch.device(device):
+        return tiny_models.model_class(family)(config).eval()
+
+
+def _spied_s_aux(model: nn.Module) -> dict[nn.Module, object]:
+    """Run one forward; module -> the s_aux it passed (None when it passed none)."""
+    _SPY_CALLS.clear()
+    ids = torch.arange(3, 23)[None]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    seen = dict(_SPY_CALLS)
+    assert len(seen) == len(_SPY_CALLS), "a module called the interface twice"
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_sink_is_what_its_forward_passes(family):
+    model = _tiny_model(family)
+    spied = _spied_s_aux(model)
+    fuser = SinkFuser()
+    sites = fuser.scan(model)
+    assert {model.get_submodule(n) for n in sites} == set(spied), "traced modules != modules that attend"
+    with_sink = 0
+    for name, site in sites.items():
+        module = model.get_submodule(name)
+        assert site.problem is None, (name, site.problem)
+        assert site.interface_calls == 1
+        if spied[module] is None:
+            assert site.sink is None, f"{name}: passes no sink, fuser found {site.sink}"
+        else:
+            assert site.sink is not None, f"{name}: passes a sink the fuser missed"
+            assert site.sink.tensor(module) is spied[module]  # the very parameter, not a look-alike
+            assert site.sink.kind == "parameter"
+            with_sink += 1
+    assert with_sink >= 1
+    # Traces are cached per class and reused across layers that read the same state.
+    assert fuser.traces <= len(sites)
+
+
+def test_mimo_full_layers_get_no_sink_whatever_the_order():
+    if "mimo_v2_flash" not in FAMILIES:
+        pytest.skip("transformers has no MiMo-V2-Flash")
+    model = _tiny_model("mimo_v2_flash", device="meta")
+    layers = [layer.self_attn for layer in model.model.layers]
+    kinds = [getattr(m, "sinks", None) is not None for m in layers]
+    assert kinds == [False, True], "tiny config: [full_attention, sliding_attention]"
+    for order in (layers, layers[::-1]):  # whichever instance is traced first, no leak
+        fuser = SinkFuser()
+        answers = {m: fuser.find(m).sink for m in order}
+        assert answers[layers[0]] is None
+        assert answers[layers[1]] == SinkSite("sinks", "parameter")
+        assert fuser.traces == 2
+
+
+def test_the_interface_call_is_one_node_that_keeps_its_keywords():
+    model = _tiny_model("gpt_oss", device="meta")
+    attn = model.model.layers[0].self_attn
+    graph = SinkFuser().trace(attn)
+    [call] = [n for n in graph.nodes if n.target is attention_interface_call]
+    assert call.meta["attention_interface"] == attn.config._attn_implementation
+    s_aux = call.kwargs["s_aux"]
+    assert isinstance(s_aux, fx.Node) and s_aux.op == "get_attr" and s_aux.target == "sinks"
+    assert call.kwargs["scaling"] == attn.scaling
+    assert call.kwargs["sliding_window"] == attn.sliding_window
+    # query, key, value come from the traced projections, not from placeholders
+    assert all(isinstance(a, fx.Node) and a.op != "placeholder" for a in call.args[:3])
+
+
+# ---- synthetic modules: the sink under other names and owners -------------------------------------
+
+
+class _Config:
+    hidden_size = 32
+    _attn_implementation = SPY
+
+
+_CONFIG = _Config()
+
+
+class _Extra(nn.Module):
+    def __init__(self, heads):
+        super().__init__()
+        self.per_head_logit = nn.Parameter(torch.randn(heads))
+
+
+class _Attention(nn.Module):
+    """A GPT-OSS-shaped attention module; subclasses choose what they pass as s_aux."""
+
+    def __init__(self, heads=4, head_dim=8):
+        super().__init__()
+        self.config = _CONFIG  # shared, as a model's layers share theirs
+        self.head_dim = head_dim
+        self.scaling = head_dim ** -0.5
+        self.q_proj = nn.Linear(32, heads * head_dim)
+        self.k_proj = nn.Linear(32, heads * head_dim)
+        self.v_proj = nn.Linear(32, heads * head_dim)
+        self.o_proj = nn.Linear(heads * head_dim, 32)
+
+    def s_aux(self):
+        raise NotImplementedError
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)  # iterates a proxy: needs the meta values
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        out, _ = interface(self, q, k, v, attention_mask, scaling=self.scaling, s_aux=self.s_aux(), **kwargs)
+        return self.o_proj(out.reshape(*input_shape, -1)), None
+
+
+class NestedOwner(_Attention):
+    def __init__(self):
+        super().__init__()
+        self.extra = _Extra(4)
+
+    def s_aux(self):
+        return self.extra.per_head_logit
+
+
+class BufferSink(_Attention):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("learned_sink", torch.randn(4))
+
+    def s_aux(self):
+        return self.learned_sink
+
+
+class CastSink(_Attention):
+    def __init__(self):
+        super().__init__()
+        self.attn_bias = nn.Parameter(torch.randn(4))
+
+    def s_aux(self):
+        return self.attn_bias.float()
+
+
+class ComputedSink(_Attention):
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def s_aux(self):
+        return self.sinks * 2
+
+
+class PlainTensorSink(_Attention):
+    def __init__(self):
+        super().__init__()
+        self.not_a_parameter = torch.randn(4)  # plain attribute: nothing the checkpoint could load
+
+    def s_aux(self):
+        return self.not_a_parameter
+
+
+class FlaggedSink(_Attention):
+    """Same parameters on every instance; a flag decides whether the sink is passed."""
+
+    def __init__(self, use_sink):
+        super().__init__()
+        self.use_sink = use_sink
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def s_aux(self):
+        return self.sinks if self.use_sink else None
+
+
+class BranchesOnValues(_Attention):
+    """Control flow on a tensor's value cannot be traced before the interface call."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if hidden_states.sum() > 0:
+            hidden_states = hidden_states * 2
+        return super().forward(hidden_states, attention_mask, **kwargs)
+
+    def s_aux(self):
+        return self.sinks
+
+
+class NoInterface(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x + self.sinks.sum()
+
+
+@pytest.mark.parametrize("cls, path, kind", [(NestedOwner, "extra.per_head_logit", "parameter"),
+                                             (BufferSink, "learned_sink", "buffer"),
+                                             (CastSink, "attn_bias", "parameter")])
+def test_the_sink_is_found_under_any_name_and_owner(cls, path, kind):
+    module = cls()
+    site = SinkFuser().find(module)
+    assert site == AttentionSite(cls.__name__, SinkSite(path, kind), 1)
+    assert site.sink.tensor(module) is module.get_parameter(path) if kind == "parameter" else True
+    assert site.sink.owner(module) is (module.extra if cls is NestedOwner else module)
+    assert site.sink.attr == path.rpartition(".")[2]
+
+
+@pytest.mark.parametrize("cls, message", [(ComputedSink, "s_aux is the result of call_function"),
+                                          (PlainTensorSink, "not a parameter or buffer")])
+def test_a_sink_vllm_cannot_hold_is_reported(cls, message):
+    site = SinkFuser().find(cls())
+    assert site.sink is None and site.interface_calls == 1
+    assert message in site.problem
+    with pytest.raises(SinkFuserError, match=cls.__name__):
+        site.require_sink()
+
+
+def test_the_cache_is_guarded_by_the_state_the_trace_read():
+    fuser = SinkFuser()
+    modules = [FlaggedSink(use_sink=flag) for flag in (False, True, True, False)]
+    answers = [fuser.find(m).sink for m in modules]
+    assert answers == [None, SinkSite("sinks", "parameter"), SinkSite("sinks", "parameter"), None]
+    assert fuser.traces == 2  # one trace per distinct `use_sink`, the rest from the cache
+
+
+def test_a_trace_that_stops_before_the_interface_says_so():
+    site = SinkFuser().find(BranchesOnValues())
+    assert site.sink is None and site.interface_calls == 0
+    assert "tracing its forward failed before the attention-interface call" in site.problem
+
+
+def test_modules_that_never_reach_the_interface_are_not_traced():
+    fuser = SinkFuser()
+    assert fuser.find(NoInterface()) is None
+    assert fuser.find(nn.Linear(2, 2)) is None
+    assert fuser.traces == 0
+
+
+def test_deprecate_kwarg_wrapped_forward_is_traced_unwrapped():
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    class Renamed(NestedOwner):
+        @deprecate_kwarg("past_key_values", "99.0.0", new_name="cache")
+        def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
+            return super().forward(hidden_states, attention_mask, None, **kwargs)
+
+    module = Renamed()
+    with pytest.raises(Exception):  # what stock fx makes of the wrapper's (*args, **kwargs)
+        fx.symbolic_trace(module)
+    assert SinkFuser().find(module).sink == SinkSite("extra.per_head_logit", "parameter")
+
+
+def test_tracing_leaves_the_module_as_it_was():
+    module = NestedOwner()
+    before = (type(module), dict(module.named_parameters()), module.forward.__func__)
+    SinkFuser().find(module)
+    assert (type(module), dict(module.named_parameters()), module.forward.__func__) == before
+    assert nn.Module.__call__ is not None and "forward" not in vars(module)
+    out, _ = module(torch.randn(1, 5, 32))  # still runs for real
+    assert out.shape == (1, 5, 32) and math.isfinite(out.sum().item())

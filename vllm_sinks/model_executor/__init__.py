@@ -1,0 +1,1 @@
+"""Our forks of upstream `vllm.model_executor` modules (mirrors its layout; imports without vLLM)."""

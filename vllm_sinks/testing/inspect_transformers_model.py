@@ -1,0 +1,117 @@
+"""Subprocess side of the Transformers-backend e2e checks: load a model in vLLM, read its prompt
+logprobs, and look inside it (which attention layers have sinks, with what values, and whether the
+layers are in the module tree).
+
+    python -m vllm_sinks.testing.inspect_transformers_model JOBS.json RESULTS.json
+
+JOBS.json: ``{"jobs": [{"model": dir, "impl": "transformers"|"vllm", "dtype": "float32"|"bfloat16",
+"token_ids": [...], "max_model_len": int}, ...]}``; one ``LLM`` per job, all in this process (vLLM is
+imported once; after the first job of an architecture, vLLM's model inspection is cached, so later
+jobs start in seconds). RESULTS.json is rewritten after every job: ``{"results": [{"logprobs":
+[...], "layers": [...], "registered": bool, "seconds": s} | {"error": "...", "seconds": s}]}``.
+
+The model is reached with ``LLM.apply_model`` (0.27-0.33), which runs in this process because we set
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _layer_index(prefix: str) -> int | None:
+    numbers = [int(part) for part in prefix.split(".") if part.isdigit()]
+    return numbers[0] if len(numbers) == 1 else None
+
+
+def describe_attention(model) -> dict:
+    """Every attention layer vLLM allocated KV cache for: index, sink, and whether it is a submodule.
+
+    vLLM lists its attention layers by prefix in ``compilation_config.static_forward_context``;
+    "registered" means each of them is also reachable through ``model.named_modules()`` (what
+    ``process_weights_after_loading`` walks).
+    """
+    context = model.vllm_config.compilation_config.static_forward_context
+    in_tree = {id(m) for _, m in model.named_modules()}
+    layers = []
+    for prefix, layer in sorted(context.items()):
+        if not hasattr(layer, "impl"):
+            continue
+        sinks = getattr(layer.impl, "sinks", None)
+        layers.append(dict(
+            prefix=prefix, index=_layer_index(prefix), cls=type(layer).__name__,
+            has_sink=bool(getattr(layer, "has_sink", False)), registered=id(layer) in in_tree,
+            sinks=None if sinks is None else sinks.detach().float().cpu().tolist(),
+            sinks_dtype=None if sinks is None else str(sinks.dtype).removeprefix("torch."),
+        ))
+    return dict(layers=layers, registered=bool(layers) and all(x["registered"] for x in layers))
+
+
+def _prompt_logprobs(output, token_ids: list[int]) -> list[float]:
+    entries = output.prompt_logprobs
+    if entries is None or len(entries) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {None if entries is None else len(entries)} prompt logprob "
+                           f"entries for {len(token_ids)} tokens")
+    return [float(entries[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
+
+
+def run_job(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["model"], tokenizer=job["model"], model_impl=job["impl"], dtype=job["dtype"],
+              enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0)
+    try:
+        [inside] = llm.apply_model(describe_attention)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        [output] = llm.generate([{"prompt_token_ids": list(job["token_ids"])}], params, use_tqdm=False)
+        return dict(logprobs=_prompt_logprobs(output, list(job["token_ids"])), **inside)
+    finally:
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if callable(getattr(core, "shutdown", None)):
+            core.shutdown()  # free the cores and KV cache before the next job's engine starts
+        del llm
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m vllm_sinks.testing.inspect_transformers_model JOBS.json RESULTS.json",
+              file=sys.stderr)
+        return 2
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        print("inspect_transformers_model: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (the model must live "
+              "in this process to be inspected)", file=sys.stderr)
+        return 2
+    jobs_path, out_path = argv
+    with open(jobs_path) as f:
+        jobs = json.load(f)["jobs"]
+    results: list[dict] = []
+
+    def write() -> None:
+        with open(out_path + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "results": results}, f)
+        os.replace(out_path + ".tmp", out_path)
+
+    write()
+    for i, job in enumerate(jobs):
+        print(f"@@inspect-job {i} {job['impl']} {job['dtype']} {job['model']}", file=sys.stderr, flush=True)
+        start = time.monotonic()
+        try:
+            result = run_job(job)
+        except Exception as e:  # noqa: BLE001 - one failing model must not hide the others
+            traceback.print_exc()
+            result = {"error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = round(time.monotonic() - start, 2)
+        results.append(result)
+        write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

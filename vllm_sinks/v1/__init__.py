@@ -1,0 +1,1 @@
+"""Mirrors ``vllm.v1``: our forks of vLLM v1 modules."""

@@ -1,0 +1,446 @@
+"""Prefill attention over packed variable-length sequences, with learnable sinks (Triton).
+
+A drop-in superset of vLLM's ``vllm.v1.attention.ops.triton_prefill_attention.context_attention_fwd``
+(same signature, same semantics, plus input checks and no device→host sync). Written for this project;
+it imports neither vLLM nor anything but torch and Triton.
+
+Semantics
+---------
+``context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True,
+softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None, sinks_bias_key0=False)``
+
+- ``q`` [tokens, Hq, D]; ``k``, ``v`` [tokens, Hkv, D]; ``o`` [tokens, Hq, D] is written in place.
+  Hq must be a multiple of Hkv (MHA, GQA, MQA): query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+- Sequence ``b`` owns rows ``b_start_loc[b] … b_start_loc[b] + b_seq_len[b] - 1``. Positions ``i``
+  (query) and ``j`` (key) are counted from the start of their sequence; attention never crosses
+  sequences. Rows of ``o`` that belong to no sequence are not written. Empty batches and zero-length
+  sequences are valid.
+- Key ``j`` is visible to query ``i`` when ``i - j <= sliding_window_q`` and ``j - i <=
+  sliding_window_k`` (``None``, 0 or -1 leave that side unbounded; -1 is what vLLM's triton backend
+  passes for "no window"), and, when ``is_causal``, ``j <= i``. Every query sees itself, so no row is
+  empty.
+- Logits are ``q·k * softmax_scale`` (default ``D ** -0.5``); softmax and accumulation run in fp32.
+- ``sinks`` [Hq] (fp32, bf16 or fp16), two meanings:
+
+  * ``sinks_bias_key0=False`` — *null logit* (GPT-OSS, Granite SWA, DeepSeek V4, ...): the softmax
+    denominator of every query of head ``h`` gets one extra term ``exp(sinks[h])`` that carries no
+    value vector: ``o_i = Σ_j e^{s_ij} v_j / (e^{sinks[h]} + Σ_j e^{s_ij})``.
+  * ``sinks_bias_key0=True`` — *key-0 bias* (MiMo-V2.5 vision encoder): ``sinks[h]`` is added to the
+    scaled logit of key 0 of each sequence, for the queries that see key 0 (e.g. within the window),
+    so it also reaches the numerator through ``v_0``. Queries that do not see key 0 are unaffected.
+
+  Both match vLLM ≥ 0.28 (``sinks_bias_key0`` arrived with vLLM PR #49815); vLLM 0.27 has only the
+  null logit.
+- ``max_input_len`` (an int or a 0-d integer tensor, as MiMo passes it) is accepted for compatibility
+  and never read: the launch grid comes from tensor shapes alone (an upper bound on the query tiles
+  of all sequences; each program finds its sequence on the device), so a call costs no device→host
+  sync and can be captured in a CUDA graph.
+- fp16, bf16 and fp32 inputs (fp32 dots run in IEEE fp32, not tf32); head dims 1–256, powers of two
+  or not (72, 80, 96, ...).
+
+Bad input raises ``ValueError`` saying what is wrong. What cannot be checked without a sync (start
+offsets and lengths against the number of rows) is clamped on the device instead: the kernel never
+reads or writes outside the tensors.
+
+Design (H200, MiMo's 32/8 heads, D 64, window 64 is the case that sets the shape of the kernel)
+-----------------------------------------------------------------------------------------------
+- One program = one tile of ``BLOCK_T`` consecutive query tokens of one sequence × ``GP`` query heads
+  that share one KV head, stacked as ``BLOCK_T * GP`` rows of one matrix: K/V tiles are loaded once
+  for the GP heads and the MMAs stay 64–128 rows tall even when BLOCK_T is small.
+- A small BLOCK_T keeps the band of keys a tile must visit (``BLOCK_T + wq + wk``) close to the
+  ``wq + wk + 1`` each query needs; the key loop starts exactly at the first needed key.
+- The key loop is split into masked edge blocks and mask-free interior blocks.
+- Key 0 under ``sinks_bias_key0`` is folded into the initial softmax state (like the null logit is),
+  so no block of the loop carries the bias.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_sinks.v1.attention.ops.prefill_attention_reference import normalize_window
+
+_LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
+
+_SINKS_NONE, _SINKS_NULL_LOGIT, _SINKS_KEY0_BIAS = 0, 1, 2
+
+
+@triton.jit
+def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q,
+                       seq_len, key_lo, first_block, end_block, qk_scale, window_q, window_k,
+                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr,
+                       HAS_WK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over key blocks ``first_block … end_block - 1`` starting at key ``key_lo``.
+
+    MASKED blocks straddle a band edge (or the sequence end) and apply the visibility mask; the others
+    are visible to every valid row of the tile and skip it. Positions are relative to the sequence.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    for blk in range(first_block, end_block):
+        pos_k = key_lo + blk * BLOCK_N + offs_n
+        k_ptrs = k_base + pos_k.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = v_base + pos_k.to(tl.int64)[:, None] * stride_vt + offs_d[None, :]
+        if MASKED:
+            kv_ok = (pos_k < seq_len)[:, None]
+            if not EVEN_D:
+                kv_ok = kv_ok & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = (pos_k < seq_len)[None, :]
+            if IS_CAUSAL:
+                visible = visible & (pos_k[None, :] <= pos_q[:, None])
+            if HAS_WQ:
+                visible = visible & (pos_q[:, None] - pos_k[None, :] <= window_q)
+            if HAS_WK:
+                visible = visible & (pos_k[None, :] - pos_q[:, None] <= window_k)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from inf - inf.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        if MASKED:
+            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    Q, K, V, O, Sinks, StartLoc, SeqLen,
+    num_seqs, total_tokens, num_head_groups, qk_scale, window_q, window_k,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_sink, stride_start, stride_len,
+    QUERIES_PER_KV: tl.constexpr,  # Hq // Hkv
+    GP: tl.constexpr,  # query heads per program (power of two dividing QUERIES_PER_KV)
+    BLOCK_T: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    BLOCK_D: tl.constexpr,  # head dim padded to a power of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # sequences per step of the tile → sequence lookup
+    IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
+    SINK_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    ROWS: tl.constexpr = BLOCK_T * GP
+    pid = tl.program_id(0)
+    head_group = pid % num_head_groups  # heads vary fastest: neighbours share K/V rows in L2
+    tile = pid // num_head_groups
+
+    # -- which sequence and which query tile of it: walk the per-sequence tile counts on the device
+    # (the grid is an upper bound, so programs past the last tile return at once).
+    offs_b = tl.arange(0, BLOCK_B)
+    seq = 0
+    tiles_before = 0
+    running = 0
+    for b0 in range(0, num_seqs, BLOCK_B):
+        in_batch = b0 + offs_b < num_seqs
+        lens = tl.load(SeqLen + (b0 + offs_b) * stride_len, mask=in_batch, other=0).to(tl.int32)
+        ntiles = (tl.maximum(lens, 0) + BLOCK_T - 1) // BLOCK_T
+        inclusive = tl.cumsum(ntiles, 0) + running
+        before = (inclusive <= tile) & in_batch
+        seq += tl.sum(before.to(tl.int32), 0)
+        tiles_before = tl.maximum(tiles_before, tl.max(tl.where(before, inclusive, 0), 0))
+        running += tl.sum(ntiles, 0)
+    if seq >= num_seqs:
+        return
+
+    seq_start = tl.load(StartLoc + seq * stride_start).to(tl.int64)
+    seq_len = tl.load(SeqLen + seq * stride_len).to(tl.int64)
+    # Offsets cannot be checked on the host without a sync: clamp them to the buffer instead.
+    seq_len = tl.minimum(seq_len, total_tokens - seq_start)
+    seq_len = tl.where(seq_start < 0, 0, tl.maximum(seq_len, 0)).to(tl.int32)
+    q_start = (tile - tiles_before) * BLOCK_T
+    if q_start >= seq_len:
+        return
+    q_last = tl.minimum(q_start + BLOCK_T, seq_len) - 1
+
+    # -- rows: token-major, GP heads of one KV head per token
+    offs_r = tl.arange(0, ROWS)
+    pos_q = q_start + offs_r // GP
+    head = head_group * GP + offs_r % GP
+    kv_head = (head_group * GP) // QUERIES_PER_KV
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = pos_q < seq_len
+    if BLOCK_D == HEAD_DIM:
+        io_mask = row_ok[:, None]
+    else:
+        io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_ptrs = (Q + (seq_start + pos_q.to(tl.int64))[:, None] * stride_qt
+              + head[:, None] * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    k_base = K + seq_start * stride_kt + kv_head * stride_kh
+    v_base = V + seq_start * stride_vt + kv_head * stride_vh
+
+    # -- the band of keys this tile needs: [lo, hi) for some row, [full_lo, full_hi) for all rows
+    lo = tl.zeros([], tl.int32)
+    hi = seq_len
+    full_lo = tl.zeros([], tl.int32)
+    full_hi = seq_len
+    if HAS_WQ:
+        lo = tl.maximum(q_start - window_q, 0)
+        full_lo = tl.maximum(q_last - window_q, 0)
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, q_last + 1)
+        full_hi = tl.minimum(full_hi, q_start + 2)
+    if HAS_WK:
+        hi = tl.minimum(hi, q_last + window_k + 1)
+        full_hi = tl.minimum(full_hi, q_start + window_k + 1)
+
+    # -- initial softmax state: empty, or the sink as a value-less logit, or key 0 with its bias
+    if SINK_MODE == 0:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    else:
+        sink = tl.load(Sinks + head * stride_sink).to(tl.float32) * 1.4426950408889634
+        if SINK_MODE == 1:
+            m_i = sink
+            l_i = tl.full([ROWS], 1.0, tl.float32)
+            acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        else:
+            # Key 0 is visible to row i iff i <= window_q (the other conditions always hold for j=0).
+            # Its logit (with the bias) and value seed the state; the loop then starts at key 1.
+            d_ok = offs_d < HEAD_DIM
+            k0 = tl.load(k_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            v0 = tl.load(v_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            sees_key0 = row_ok & (lo == 0)
+            if HAS_WQ:
+                sees_key0 = sees_key0 & (pos_q <= window_q)
+            s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale + sink
+            m_i = tl.where(sees_key0, s0, float("-inf"))
+            l_i = tl.where(sees_key0, 1.0, 0.0)
+            acc = tl.where(sees_key0[:, None], v0[None, :], 0.0)
+            lo = tl.maximum(lo, 1)
+            full_lo = tl.maximum(full_lo, 1)
+
+    # -- key blocks: masked head, mask-free middle, masked tail
+    n_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), n_blocks)
+    end_full = tl.minimum(tl.maximum(tl.maximum(full_hi - lo, 0) // BLOCK_N, first_full), n_blocks)
+    acc, l_i, m_i = _attend_key_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
+        0, first_full, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
+        BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+    acc, l_i, m_i = _attend_key_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
+        first_full, end_full, qk_scale, window_q, window_k, False, IS_CAUSAL, HAS_WQ, HAS_WK,
+        BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+    acc, l_i, m_i = _attend_key_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
+        end_full, n_blocks, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
+        BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+
+    # Valid rows always have l_i > 0 (a query sees itself); padding rows are not stored.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = (O + (seq_start + pos_q.to(tl.int64))[:, None] * stride_ot
+              + head[:, None] * stride_oh + offs_d[None, :])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=io_mask)
+
+
+# ---- launcher ---------------------------------------------------------------------------------------
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shape of one launch. ``rows = block_t * gp`` is the height of the score matrix."""
+
+    block_t: int
+    gp: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A validated call, reduced to what the launch needs."""
+
+    tokens: int
+    num_seqs: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    is_causal: bool
+    window_q: int
+    window_k: int
+    sink_mode: int
+    scale: float
+
+    @property
+    def queries_per_kv(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def block_d(self) -> int:
+        return max(16, triton.next_power_of_2(self.head_dim))  # tl.dot needs K >= 16
+
+    @property
+    def banded(self) -> bool:
+        """Both band sides bounded (a window, or a causal window): key span per tile is small."""
+        return self.window_q > 0 and (self.window_k > 0 or self.is_causal)
+
+
+def _largest_pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def choose_config(p: Problem) -> LaunchConfig:
+    """Tile shape by problem shape (measured on the H200; see docs/notes/prefill-kernel-log.md)."""
+    rows = 64 if (p.dtype == torch.float32 or p.block_d > 128) else 128
+    gp = min(_largest_pow2_divisor(p.queries_per_kv), rows)
+    block_t = rows // gp
+    block_n = 32 if (p.banded or p.block_d > 128 or p.dtype == torch.float32) else 64
+    num_warps = 4 if (p.block_d <= 64 and rows <= 128) else 8
+    return LaunchConfig(block_t=block_t, gp=gp, block_n=block_n, num_warps=num_warps, num_stages=2)
+
+
+def _check_tensor(name, t, ndim):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
+              sliding_window_q, sliding_window_k, sinks, sinks_bias_key0) -> Problem:
+    """Every check runs on tensor metadata only (no device→host sync)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+        _check_tensor(name, t, 3)
+    tokens, hq, d = q.shape
+    if k.shape[0] != tokens or v.shape[0] != tokens or o.shape[0] != tokens:
+        raise ValueError(f"q, k, v, o must have the same number of tokens; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}, o {tuple(o.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    hkv = k.shape[1]
+    if k.shape[2] != d:
+        raise ValueError(f"q and k must have the same head dim; got {d} and {k.shape[2]}")
+    if tuple(o.shape) != (tokens, hq, d):
+        raise ValueError(f"o must be [{tokens}, {hq}, {d}] like q, got {tuple(o.shape)}")
+    if d < 1 or d > 256:
+        raise ValueError(f"head dim must be in 1..256, got {d}")
+    if hkv < 1 or hq < 1 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a positive multiple of KV heads ({hkv})")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if o.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"o must be float16, bfloat16 or float32, got {o.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+        if t.numel() and t.stride(2) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last (head_dim) dimension, "
+                             f"got strides {t.stride()}")
+    for name, t in (("b_start_loc", b_start_loc), ("b_seq_len", b_seq_len)):
+        _check_tensor(name, t, 1)
+        if t.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if b_start_loc.shape != b_seq_len.shape:
+        raise ValueError(f"b_start_loc and b_seq_len must have the same length; got "
+                         f"{b_start_loc.shape[0]} and {b_seq_len.shape[0]}")
+    if isinstance(max_input_len, torch.Tensor):
+        if max_input_len.numel() != 1 or max_input_len.dtype.is_floating_point or \
+                max_input_len.dtype == torch.bool:
+            raise ValueError(f"max_input_len must be an int or a one-element integer tensor, got a "
+                             f"{max_input_len.dtype} tensor of shape {tuple(max_input_len.shape)}")
+    elif isinstance(max_input_len, bool) or not isinstance(max_input_len, int):
+        raise ValueError(f"max_input_len must be an int or a 0-d integer tensor, got "
+                         f"{type(max_input_len).__name__}")
+    elif max_input_len < 0:
+        raise ValueError(f"max_input_len must be >= 0, got {max_input_len}")
+    wq = normalize_window(sliding_window_q, "sliding_window_q")
+    wk = normalize_window(sliding_window_k, "sliding_window_k")
+    if softmax_scale is None:
+        scale = d ** -0.5
+    elif isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool):
+        scale = float(softmax_scale)
+    else:
+        raise ValueError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not isinstance(sinks_bias_key0, bool):
+        raise ValueError(f"sinks_bias_key0 must be a bool, got {type(sinks_bias_key0).__name__}")
+    if sinks is None:
+        sink_mode = _SINKS_NONE
+    else:
+        _check_tensor("sinks", sinks, 1)
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks must have one value per query head ({hq}), got {sinks.shape[0]}")
+        if sinks.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"sinks must be float32, bfloat16 or float16, got {sinks.dtype}")
+        sink_mode = _SINKS_KEY0_BIAS if sinks_bias_key0 else _SINKS_NULL_LOGIT
+    tensors = [("q", q), ("k", k), ("v", v), ("o", o), ("b_start_loc", b_start_loc),
+               ("b_seq_len", b_seq_len)]
+    if sinks is not None:
+        tensors.append(("sinks", sinks))
+    if isinstance(max_input_len, torch.Tensor):
+        tensors.append(("max_input_len", max_input_len))
+    device = q.device
+    for name, t in tensors:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device: q is on {device}, {name} on {t.device}")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("tensors are on the CPU: the Triton kernel needs a GPU "
+                         "(or TRITON_INTERPRET=1 for the interpreter)")
+    return Problem(tokens=tokens, num_seqs=b_seq_len.shape[0], q_heads=hq, kv_heads=hkv, head_dim=d,
+                   dtype=q.dtype, is_causal=bool(is_causal), window_q=wq, window_k=wk,
+                   sink_mode=sink_mode, scale=scale)
+
+
+def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks) -> None:
+    """Launch for an already validated problem (the benchmark calls this to compare tile shapes)."""
+    if p.tokens == 0 or p.num_seqs == 0:
+        return
+    if p.queries_per_kv % cfg.gp:
+        raise ValueError(f"gp={cfg.gp} must divide the {p.queries_per_kv} query heads per KV head")
+    num_head_groups = p.q_heads // cfg.gp
+    # Σ ceil(len_b / T) <= floor((tokens + B (T - 1)) / T) when the sequences fit in the buffer.
+    max_tiles = (p.tokens + p.num_seqs * (cfg.block_t - 1)) // cfg.block_t
+    grid = (num_head_groups * max_tiles,)
+    _prefill_attention_kernel[grid](
+        q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len,
+        p.num_seqs, p.tokens, num_head_groups, p.scale * _LOG2E, p.window_q, p.window_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), sinks.stride(0) if sinks is not None else 0,
+        b_start_loc.stride(0), b_seq_len.stride(0),
+        QUERIES_PER_KV=p.queries_per_kv, GP=cfg.gp, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
+        BLOCK_D=p.block_d, HEAD_DIM=p.head_dim, BLOCK_B=128,
+        IS_CAUSAL=p.is_causal, HAS_WQ=p.window_q > 0, HAS_WK=p.window_k > 0,
+        SINK_MODE=p.sink_mode, DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True,
+                          softmax_scale=None, sliding_window_q=None, sliding_window_k=None,
+                          sinks=None, sinks_bias_key0=False):
+    """Attention over packed sequences with optional window and sinks; writes ``o`` in place.
+
+    See the module docstring for the semantics. Raises ``ValueError`` on bad input.
+    """
+    p = _validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
+                  sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
+    launch(p, choose_config(p), q, k, v, o, b_start_loc, b_seq_len, sinks)
