@@ -87,3 +87,5 @@ def test_server_that_cannot_start_is_reported_and_cleaned_up(tmp_path):
     with pytest.raises(server.ServerError, match="exited with code") as err:
         server.server_check(tmp_path, "transformers", ready_timeout=120)
     assert err.value.log  # the server's own output comes with the error
+    with pytest.raises(ProcessLookupError):  # and nothing of it is left running
+        os.killpg(err.value.pid, 0)

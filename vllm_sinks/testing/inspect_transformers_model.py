@@ -46,6 +46,8 @@ def describe_attention(model) -> dict:
         layers.append(dict(
             prefix=prefix, index=_layer_index(prefix), cls=type(layer).__name__,
             has_sink=bool(getattr(layer, "has_sink", False)), registered=id(layer) in in_tree,
+            num_heads=getattr(layer, "num_heads", None), num_kv_heads=getattr(layer, "num_kv_heads", None),
+            head_size=getattr(layer, "head_size", None), sliding_window=getattr(layer, "sliding_window", None),
             sinks=None if sinks is None else sinks.detach().float().cpu().tolist(),
             sinks_dtype=None if sinks is None else str(sinks.dtype).removeprefix("torch."),
         ))
@@ -76,6 +78,40 @@ def run_job(job: dict) -> dict:
             core.shutdown()  # free the cores and KV cache before the next job's engine starts
         del llm
         gc.collect()
+
+
+def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, python: str = sys.executable,
+                   timeout: float = 900) -> tuple[list[dict], str]:
+    """Run ``jobs`` in one subprocess of this module; return (results, captured log).
+
+    A job the subprocess never finished (crash, timeout) gets ``{"error": ...}`` with the log's tail.
+    """
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="vllm-sinks-inspect-") as tmp:
+        jobs_path, out_path = os.path.join(tmp, "jobs.json"), os.path.join(tmp, "out.json")
+        with open(jobs_path, "w") as f:
+            json.dump({"jobs": jobs}, f)
+        run_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {}),
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        try:
+            proc = subprocess.run([python, "-m", "vllm_sinks.testing.inspect_transformers_model", jobs_path,
+                                   out_path], env=run_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout)
+            log, why = proc.stdout, f"exited with code {proc.returncode}"
+        except subprocess.TimeoutExpired as e:
+            log = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            why = f"timed out after {timeout:.0f} s"
+        try:
+            with open(out_path) as f:
+                results = json.load(f)["results"]
+        except (OSError, ValueError, KeyError):
+            results = []
+    tail = "\n".join(log.rstrip().splitlines()[-30:])
+    results += [{"error": f"inspection subprocess {why} before this job finished", "log_tail": tail}
+                for _ in range(len(jobs) - len(results))]
+    return results, log
 
 
 def main(argv: list[str] | None = None) -> int:

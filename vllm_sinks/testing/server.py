@@ -31,9 +31,10 @@ DEFAULT_PROMPT = "The harbor town wakes before the sun."
 class ServerError(RuntimeError):
     """The server did not come up, or the request failed; ``log`` holds the server's output."""
 
-    def __init__(self, message: str, log: str = ""):
+    def __init__(self, message: str, log: str = "", pid: int | None = None):
         super().__init__(message)
         self.log = log
+        self.pid = pid  # the API server's pid (its process group is stopped by the time you see this)
 
 
 @dataclasses.dataclass
@@ -123,9 +124,9 @@ def running_server(model_dir: str | os.PathLike, impl: str = "transformers", *, 
             while True:
                 if proc.poll() is not None:
                     raise ServerError(f"API server exited with code {proc.returncode} before it was ready",
-                                      srv.log())
+                                      srv.log(), proc.pid)
                 if time.monotonic() - start > ready_timeout:
-                    raise ServerError(f"API server not healthy after {ready_timeout:.0f} s", srv.log())
+                    raise ServerError(f"API server not healthy after {ready_timeout:.0f} s", srv.log(), proc.pid)
                 with contextlib.suppress(OSError):  # refused / reset while it starts up
                     if _get(srv.base_url + "/health", timeout=2) == 200:
                         break
@@ -153,10 +154,10 @@ def server_check(model_dir: str | os.PathLike, impl: str = "transformers", *, dt
             response = _post_json(srv.base_url + "/v1/completions", body, request_timeout)
         except (OSError, ValueError) as e:
             detail = e.read().decode(errors="replace") if isinstance(e, urllib.error.HTTPError) else ""
-            raise ServerError(f"/v1/completions failed: {e} {detail}".strip(), srv.log()) from e
+            raise ServerError(f"/v1/completions failed: {e} {detail}".strip(), srv.log(), srv.proc.pid) from e
         choices = response.get("choices") or []
         if not choices:
-            raise ServerError(f"/v1/completions returned no choices: {response}", srv.log())
+            raise ServerError(f"/v1/completions returned no choices: {response}", srv.log(), srv.proc.pid)
     # The server is stopped here; its log is complete (shutdown lines included).
     return ServerResult(choices[0].get("text", ""), response, srv.log(), srv.proc.pid, srv.seconds_to_ready)
 

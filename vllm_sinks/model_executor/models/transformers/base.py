@@ -283,14 +283,18 @@ def _attention_layer(module: nn.Module, kwargs: dict) -> Any:
     return None
 
 
+def check_sink_applied(module: nn.Module, layer: Any, s_aux: Any) -> None:
+    """Raise if ``module`` passes a sink (``s_aux``) that its attention ``layer`` was built without."""
+    if s_aux is None or layer is None or getattr(layer, "has_sink", False):
+        return
+    site = _SITES.get(module)
+    raise ValueError(missing_sink_error(type(module).__name__, getattr(module, "layer_idx", "?"),
+                                        site.problem if site is not None else None))
+
+
 def vllm_attention_forward(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """Upstream's ``vllm`` interface, refusing a sink its layer was not built with."""
-    if kwargs.get("s_aux") is not None:
-        layer = _attention_layer(module, kwargs)
-        if layer is not None and not getattr(layer, "has_sink", False):
-            site = _SITES.get(module)
-            raise ValueError(missing_sink_error(type(module).__name__, getattr(module, "layer_idx", "?"),
-                                                site.problem if site is not None else None))
+    check_sink_applied(module, _attention_layer(module, kwargs), kwargs.get("s_aux"))
     return install.original(vllm_attention_forward)(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -127,6 +127,39 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
 
 
 @triton.jit
+def _key_band(q_start, q_last, seq_len, window_q, window_k, BLOCK_N: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
+              SKIP_KEY0: tl.constexpr):
+    """Key blocks of the query tile ``q_start … q_last``: ``(lo, first_full, end_full, n_blocks)``.
+
+    Block ``b`` holds keys ``lo + b * BLOCK_N …``; blocks ``first_full … end_full - 1`` are visible to
+    every row of the tile (no mask), the others straddle a band edge. ``lo`` is the first key any row
+    sees (1 with SKIP_KEY0: key 0 was folded into the initial state). Elementwise, so a test kernel
+    can check it on vectors of tiles.
+    """
+    zero = q_start * 0
+    lo = zero  # first key some row sees; [lo, hi) is the union of the rows' ranges
+    hi = seq_len + zero
+    full_lo = zero  # [full_lo, full_hi): the keys every row sees
+    full_hi = seq_len + zero
+    if HAS_WQ:
+        lo = tl.maximum(q_start - window_q, 0)
+        full_lo = tl.maximum(q_last - window_q, 0)
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, q_last + 1)
+        full_hi = tl.minimum(full_hi, q_start + 1)
+    if HAS_WK:
+        hi = tl.minimum(hi, q_last + window_k + 1)
+        full_hi = tl.minimum(full_hi, q_start + window_k + 1)
+    if SKIP_KEY0:
+        lo = tl.maximum(lo, 1)
+    n_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), n_blocks)
+    end_full = tl.minimum(tl.maximum(tl.maximum(full_hi - lo, 0) // BLOCK_N, first_full), n_blocks)
+    return lo, first_full, end_full, n_blocks
+
+
+@triton.jit
 def _prefill_attention_kernel(
     Q, K, V, O, Sinks, StartLoc, SeqLen,
     num_seqs, total_tokens, num_head_groups, qk_scale, window_q, window_k,
@@ -192,21 +225,6 @@ def _prefill_attention_kernel(
     k_base = K + seq_start * stride_kt + kv_head * stride_kh
     v_base = V + seq_start * stride_vt + kv_head * stride_vh
 
-    # -- the band of keys this tile needs: [lo, hi) for some row, [full_lo, full_hi) for all rows
-    lo = tl.zeros([], tl.int32)
-    hi = seq_len
-    full_lo = tl.zeros([], tl.int32)
-    full_hi = seq_len
-    if HAS_WQ:
-        lo = tl.maximum(q_start - window_q, 0)
-        full_lo = tl.maximum(q_last - window_q, 0)
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, q_last + 1)
-        full_hi = tl.minimum(full_hi, q_start + 2)
-    if HAS_WK:
-        hi = tl.minimum(hi, q_last + window_k + 1)
-        full_hi = tl.minimum(full_hi, q_start + window_k + 1)
-
     # -- initial softmax state: empty, or the sink as a value-less logit, or key 0 with its bias
     if SINK_MODE == 0:
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -224,20 +242,18 @@ def _prefill_attention_kernel(
             d_ok = offs_d < HEAD_DIM
             k0 = tl.load(k_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             v0 = tl.load(v_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            sees_key0 = row_ok & (lo == 0)
+            sees_key0 = row_ok
             if HAS_WQ:
                 sees_key0 = sees_key0 & (pos_q <= window_q)
             s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale + sink
             m_i = tl.where(sees_key0, s0, float("-inf"))
             l_i = tl.where(sees_key0, 1.0, 0.0)
             acc = tl.where(sees_key0[:, None], v0[None, :], 0.0)
-            lo = tl.maximum(lo, 1)
-            full_lo = tl.maximum(full_lo, 1)
 
     # -- key blocks: masked head, mask-free middle, masked tail
-    n_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-    first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), n_blocks)
-    end_full = tl.minimum(tl.maximum(tl.maximum(full_hi - lo, 0) // BLOCK_N, first_full), n_blocks)
+    lo, first_full, end_full, n_blocks = _key_band(
+        q_start, q_last, seq_len, window_q, window_k, BLOCK_N, IS_CAUSAL, HAS_WQ, HAS_WK,
+        SINK_MODE == 2)
     acc, l_i, m_i = _attend_key_blocks(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
         0, first_full, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
