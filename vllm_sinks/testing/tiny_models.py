@@ -25,9 +25,12 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_sinks.testing import tokenizer as _tok
+
+if TYPE_CHECKING:
+    import torch
 
 #: Standard deviation of the sink values. Large enough that sinks soak up a visible share of the
 #: attention mass (sink logit vs. ordinary scores of O(1)), so dropping them moves the logprobs.
@@ -165,8 +168,9 @@ def _builder_hash() -> str:
 
 
 def default_cache_dir() -> pathlib.Path:
+    """$VLLM_SINKS_CACHE, else ~/.cache/vllm-sinks/models."""
     root = os.environ.get("VLLM_SINKS_CACHE")
-    return pathlib.Path(root) / "models" if root else pathlib.Path.home() / ".cache" / "vllm-sinks" / "models"
+    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "vllm-sinks" / "models"
 
 
 def _model_dir_name(family: str, dtype: str, seed: int) -> str:
@@ -268,7 +272,7 @@ def _is_sink_name(name: str) -> bool:
     return "sink" in name.rsplit(".", 1)[-1]
 
 
-def sink_parameters(model_dir: str | os.PathLike) -> dict[str, "torch.Tensor"]:  # noqa: F821
+def sink_parameters(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Checkpoint name -> tensor of every sink parameter saved in ``model_dir`` (as stored on disk)."""
     from safetensors import safe_open
 

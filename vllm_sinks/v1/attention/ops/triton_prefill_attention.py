@@ -19,7 +19,8 @@ softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None, si
   sliding_window_k`` (``None``, 0 or -1 leave that side unbounded; -1 is what vLLM's triton backend
   passes for "no window"), and, when ``is_causal``, ``j <= i``. Every query sees itself, so no row is
   empty.
-- Logits are ``q·k * softmax_scale`` (default ``D ** -0.5``); softmax and accumulation run in fp32.
+- Logits are ``q·k * softmax_scale`` (default ``D ** -0.5``, must be > 0); softmax and accumulation
+  run in fp32.
 - ``sinks`` [Hq] (fp32, bf16 or fp16), two meanings:
 
   * ``sinks_bias_key0=False`` — *null logit* (GPT-OSS, Granite SWA, DeepSeek V4, ...): the softmax
@@ -83,10 +84,11 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
+    first_key = (key_lo + first_block * BLOCK_N + offs_n).to(tl.int64)
+    k_ptrs = k_base + first_key[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = v_base + first_key[:, None] * stride_vt + offs_d[None, :]
     for blk in range(first_block, end_block):
         pos_k = key_lo + blk * BLOCK_N + offs_n
-        k_ptrs = k_base + pos_k.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = v_base + pos_k.to(tl.int64)[:, None] * stride_vt + offs_d[None, :]
         if MASKED:
             kv_ok = (pos_k < seq_len)[:, None]
             if not EVEN_D:
@@ -97,7 +99,7 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
         else:
             k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             visible = (pos_k < seq_len)[None, :]
             if IS_CAUSAL:
@@ -106,11 +108,13 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
                 visible = visible & (pos_q[:, None] - pos_k[None, :] <= window_q)
             if HAS_WK:
                 visible = visible & (pos_k[None, :] - pos_q[:, None] <= window_k)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.where(visible, qk, float("-inf"))
+        # qk_scale > 0 (checked by the launcher), so max(qk) * scale is the max of the scaled logits
+        # and qk * scale - m below is one FMA per element.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from inf - inf.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
 
@@ -123,6 +127,8 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
+        k_ptrs += BLOCK_N * stride_kt
+        v_ptrs += BLOCK_N * stride_vt
     return acc, l_i, m_i
 
 
@@ -195,17 +201,18 @@ def _prefill_attention_kernel(
         seq += tl.sum(before.to(tl.int32), 0)
         tiles_before = tl.maximum(tiles_before, tl.max(tl.where(before, inclusive, 0), 0))
         running += tl.sum(ntiles, 0)
-    if seq >= num_seqs:
-        return
-
+    # No early return for programs past the last tile: a `return` splits the kernel into several
+    # blocks and Triton's software pipeliner then leaves the key loops alone (measured: no async
+    # copies at all). Idle programs run with an empty sequence instead: no key blocks, no stores.
+    active = seq < num_seqs
+    seq = tl.minimum(seq, num_seqs - 1)
     seq_start = tl.load(StartLoc + seq * stride_start).to(tl.int64)
     seq_len = tl.load(SeqLen + seq * stride_len).to(tl.int64)
     # Offsets cannot be checked on the host without a sync: clamp them to the buffer instead.
     seq_len = tl.minimum(seq_len, total_tokens - seq_start)
     seq_len = tl.where(seq_start < 0, 0, tl.maximum(seq_len, 0)).to(tl.int32)
     q_start = (tile - tiles_before) * BLOCK_T
-    if q_start >= seq_len:
-        return
+    seq_len = tl.where(active & (q_start < seq_len), seq_len, 0)
     q_last = tl.minimum(q_start + BLOCK_T, seq_len) - 1
 
     # -- rows: token-major, GP heads of one KV head per token
@@ -237,18 +244,25 @@ def _prefill_attention_kernel(
             l_i = tl.full([ROWS], 1.0, tl.float32)
             acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
         else:
+            m_i = tl.full([ROWS], float("-inf"), tl.float32)
+            l_i = tl.zeros([ROWS], tl.float32)
+            acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
             # Key 0 is visible to row i iff i <= window_q (the other conditions always hold for j=0).
-            # Its logit (with the bias) and value seed the state; the loop then starts at key 1.
-            d_ok = offs_d < HEAD_DIM
-            k0 = tl.load(k_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            v0 = tl.load(v_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            sees_key0 = row_ok
+            # Its biased logit and its value seed the state; the key loop then starts at key 1.
+            key0_in_reach = q_start >= 0
             if HAS_WQ:
-                sees_key0 = sees_key0 & (pos_q <= window_q)
-            s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale + sink
-            m_i = tl.where(sees_key0, s0, float("-inf"))
-            l_i = tl.where(sees_key0, 1.0, 0.0)
-            acc = tl.where(sees_key0[:, None], v0[None, :], 0.0)
+                key0_in_reach = q_start <= window_q
+            if key0_in_reach:
+                d_ok = offs_d < HEAD_DIM
+                k0 = tl.load(k_base + offs_d, mask=d_ok & (seq_len > 0), other=0.0).to(tl.float32)
+                v0 = tl.load(v_base + offs_d, mask=d_ok & (seq_len > 0), other=0.0).to(tl.float32)
+                sees_key0 = row_ok
+                if HAS_WQ:
+                    sees_key0 = sees_key0 & (pos_q <= window_q)
+                s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale + sink
+                m_i = tl.where(sees_key0, s0, float("-inf"))
+                l_i = tl.where(sees_key0, 1.0, 0.0)
+                acc = tl.where(sees_key0[:, None], v0[None, :], 0.0)
 
     # -- key blocks: masked head, mask-free middle, masked tail
     lo, first_full, end_full, n_blocks = _key_band(
@@ -395,6 +409,8 @@ def _validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, soft
         scale = d ** -0.5
     elif isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool):
         scale = float(softmax_scale)
+        if not (0.0 < scale < float("inf")):
+            raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
     else:
         raise ValueError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not isinstance(sinks_bias_key0, bool):

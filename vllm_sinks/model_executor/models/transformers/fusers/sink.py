@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
@@ -375,6 +376,9 @@ class _Recorder:
 
 _recorder = threading.local()
 
+# A trace swaps the module's class and fx patches nn.Module process-wide: one trace at a time.
+_TRACE_LOCK = threading.RLock()
+
 
 def _note_read(module: nn.Module, name: str) -> None:
     recorder = getattr(_recorder, "active", None)
@@ -438,7 +442,12 @@ def looks_up_attention_interface(module: nn.Module) -> bool:
     """
     if _names_interface(vars(module).get("forward")):
         return True
-    return any(_names_interface(vars(cls).get("forward")) for cls in type(module).__mro__)
+    return _class_looks_up_attention_interface(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_looks_up_attention_interface(cls: type) -> bool:
+    return any(_names_interface(vars(klass).get("forward")) for klass in cls.__mro__)
 
 
 def _hidden_size(module: nn.Module) -> int | None:
@@ -575,7 +584,10 @@ class SinkFuser:
         return AttentionSite(name, next(iter(sinks), None), len(nodes)), guards
 
     def _trace(self, module: nn.Module, forward: Callable):
-        parameters = dict(list(inspect.signature(forward).parameters.items())[1:])  # drop self
+        try:
+            parameters = dict(list(inspect.signature(forward).parameters.items())[1:])  # drop self
+        except (TypeError, ValueError) as e:
+            return fx.Graph(), [], {}, e
         concrete: dict[str, Any] = {n: None for n in parameters if n in CACHE_ARGUMENTS}
         for p in parameters.values():
             if p.kind is inspect.Parameter.VAR_KEYWORD:
@@ -584,7 +596,7 @@ class SinkFuser:
         recorder = _Recorder(module)
         error: Exception | None = None
         original_class = module.__class__
-        with self._lock, _interface_as_leaf(tracer):
+        with _TRACE_LOCK, _interface_as_leaf(tracer):
             self.traces += 1
             _recorder.active = recorder
             module.__class__ = _tracing_class(original_class, forward)

