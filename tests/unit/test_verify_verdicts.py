@@ -33,7 +33,7 @@ def test_bf16_is_judged_against_native_with_the_rotary_control():
 
 def test_families_that_must_refuse_must_not_answer():
     refused = Row("hy_v4", "float32", errors={"on": "ValueError: HYV4Attention applies ..."})
-    assert verdict(refused, bf16_sink_kernel=True, expect_failure="MLA") == "ok (refused)"
+    assert verdict(refused, bf16_sink_kernel=True, expect_failure="MLA") == "ok: no output (MLA)"
     answered = Row("hy_v4", "float32", on=0.01)
     assert verdict(answered, bf16_sink_kernel=True, expect_failure="MLA").startswith("FAIL: answered")
 
@@ -41,9 +41,9 @@ def test_families_that_must_refuse_must_not_answer():
 def test_table_shows_every_column():
     rows = [Row("gpt_oss", "float32", on=2.4e-4, off=0.33, sinks="2/2", verdict="ok"),
             Row("gpt_oss", "bfloat16", on=0.0649, control=0.0248, native=0.0254, verdict="ok"),
-            Row("hy_v4", "float32", errors={"on": "x"}, verdict="ok (refused)")]
+            Row("hy_v4", "float32", errors={"on": "x"}, verdict="ok: no output (MLA)")]
     table = format_table(rows).splitlines()
     assert table[0].startswith("| family | dtype | patch on | patch off | native vLLM |")
     assert table[2] == "| gpt_oss | float32 | 2.4e-04 | 0.3300 | — | 2/2 | ok |"
     assert table[3] == "| gpt_oss | bfloat16 | 0.0649 (0.0248 fp32 rotary) | — | 0.0254 | — | ok |"
-    assert table[4] == "| hy_v4 | float32 | error | — | — | — | ok (refused) |"
+    assert table[4] == "| hy_v4 | float32 | error | — | — | — | ok: no output (MLA) |"

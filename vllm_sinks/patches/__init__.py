@@ -19,10 +19,32 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.attention.backends.triton_attn.context_attention_fwd",
         ),
         fork="vllm_sinks/v1/attention/ops/triton_prefill_attention.py",
-        upstream_pr="TODO",
-        why="TODO",
-        how="TODO",
-        remove_when="TODO",
+        upstream_pr=(
+            "vllm-project/vllm#49815 (merged: `sinks_bias_key0`, the key-0 sink mode MiMo's vision "
+            "encoder needs; absent in 0.27.1, present in 0.29.0, first release 0.28.0 unverified) and "
+            "#50776 (merged: skip key blocks outside the window; absent in 0.27.1, present in 0.29.0). "
+            "Where the null-logit `sinks` argument came from: unverified."
+        ),
+        why=(
+            "vLLM 0.27.x's op has only the null-logit sink, so MiMo-V2.5's vision sinks (a bias on each "
+            "sequence's key 0) cannot be applied through it; 0.27.x also walks every key block outside a "
+            "window (O(L^2)). On every release the op reads `max_input_len` from a device tensor (a "
+            "host sync per call, no CUDA graphs) and launches batch x heads x ceil(max_len / 128) "
+            "programs: 1847 us for MiMo's 4 x 16384 tokens on an H200, 12x the HBM floor."
+        ),
+        how=(
+            "Rebinds the op module's `context_attention_fwd` and the name the triton backend imported "
+            "at load time to our Triton op (same signature and semantics, both sink modes, windows, "
+            "GQA packed per KV head, band-limited key loop, grid from shapes only). The probe reads "
+            "the upstream signature: without `sinks_bias_key0` ours is the fix, with it a speed patch; "
+            "an unknown parameter is drift. `prefix_prefill.context_attention_fwd` (paged KV, another "
+            "function) is not touched."
+        ),
+        remove_when=(
+            "The fix part once the supported range starts at 0.28 (`sinks_bias_key0` everywhere); the "
+            "whole patch once upstream's op needs no host sync and benchmarks within ~10% of ours "
+            "(benchmarks/kernels/benchmark_prefill_attention.py)."
+        ),
         hooks="vllm_sinks.patches.prefill_op",
     ),
     Patch(

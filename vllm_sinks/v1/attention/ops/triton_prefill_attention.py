@@ -249,13 +249,13 @@ def _prefill_attention_kernel(
             acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
             # Key 0 is visible to row i iff i <= window_q (the other conditions always hold for j=0).
             # Its biased logit and its value seed the state; the key loop then starts at key 1.
-            key0_in_reach = q_start >= 0
+            key0_in_reach = seq_len > 0  # (0 for idle programs: nothing to load)
             if HAS_WQ:
-                key0_in_reach = q_start <= window_q
+                key0_in_reach = key0_in_reach & (q_start <= window_q)
             if key0_in_reach:
                 d_ok = offs_d < HEAD_DIM
-                k0 = tl.load(k_base + offs_d, mask=d_ok & (seq_len > 0), other=0.0).to(tl.float32)
-                v0 = tl.load(v_base + offs_d, mask=d_ok & (seq_len > 0), other=0.0).to(tl.float32)
+                k0 = tl.load(k_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                v0 = tl.load(v_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 sees_key0 = row_ok
                 if HAS_WQ:
                     sees_key0 = sees_key0 & (pos_q <= window_q)
@@ -340,13 +340,21 @@ def _largest_pow2_divisor(n: int) -> int:
 
 
 def choose_config(p: Problem) -> LaunchConfig:
-    """Tile shape by problem shape (measured on the H200; see docs/notes/prefill-kernel-log.md)."""
-    rows = 64 if (p.dtype == torch.float32 or p.block_d > 128) else 128
+    """Tile shape by problem shape.
+
+    Register and shared-memory use per shape were read from ptxas (Triton 3.6, sm_90a) before the
+    first GPU run: 128 rows with 4 warps needs ~207 registers (2 programs per SM), with 8 warps ~116;
+    fp32 operands spill unless the tile is 64 rows × 16 keys with 8 warps. Timings: see
+    docs/notes/prefill-kernel-log.md.
+    """
+    if p.dtype == torch.float32:
+        rows, block_n = 64, 16
+    elif p.block_d > 128:
+        rows, block_n = 64, 16
+    else:
+        rows, block_n = 128, (32 if p.banded or p.block_d > 64 else 64)
     gp = min(_largest_pow2_divisor(p.queries_per_kv), rows)
-    block_t = rows // gp
-    block_n = 32 if (p.banded or p.block_d > 128 or p.dtype == torch.float32) else 64
-    num_warps = 4 if (p.block_d <= 64 and rows <= 128) else 8
-    return LaunchConfig(block_t=block_t, gp=gp, block_n=block_n, num_warps=num_warps, num_stages=2)
+    return LaunchConfig(block_t=rows // gp, gp=gp, block_n=block_n, num_warps=8, num_stages=2)
 
 
 def _check_tensor(name, t, ndim):

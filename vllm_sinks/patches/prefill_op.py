@@ -1,0 +1,102 @@
+"""Patch hooks for ``prefill-op``: vLLM's Triton prefill attention op becomes ours.
+
+Targets (both rebound to ``vllm_sinks.v1.attention.ops.triton_prefill_attention.context_attention_fwd``):
+
+* ``vllm.v1.attention.ops.triton_prefill_attention.context_attention_fwd`` — the callers that import
+  it inside a function (ViT wrappers, ROCm backend, MiMo-V2-Omni's window attention) then get ours;
+* ``vllm.v1.attention.backends.triton_attn.context_attention_fwd`` — the triton backend imports the
+  name at module import (encoder / encoder-only attention path), so it is a second binding.
+
+``vllm.v1.attention.ops.prefix_prefill.context_attention_fwd`` is a different function (paged KV
+cache) with the same name and is left alone, as is ``chunked_prefill_paged_decode``'s import of it.
+
+Probe, by feature (the op's signature): every parameter of ours must be there except, optionally,
+``sinks_bias_key0``. Without it (vLLM 0.27.x) our op is the fix that brings the key-0 sink mode MiMo's
+vision encoder needs; with it (0.28 …) the patch is a speed patch (same results, ~4× faster on the
+H200, no device→host sync per call). A parameter we do not know means upstream grew a feature our op
+lacks: refuse (Drift) rather than drop it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from vllm_sinks.patches import install
+from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
+
+PATCH_NAME = "prefill-op"
+OP_MODULE = "vllm.v1.attention.ops.triton_prefill_attention"
+BACKEND_MODULE = "vllm.v1.attention.backends.triton_attn"
+FUNCTION = "context_attention_fwd"
+#: Upstream's parameters, in order, that every supported release has.
+BASE_PARAMS = ("q", "k", "v", "o", "b_start_loc", "b_seq_len", "max_input_len", "is_causal",
+               "softmax_scale", "sliding_window_q", "sliding_window_k", "sinks")
+KEY0_PARAM = "sinks_bias_key0"
+
+
+def _upstream_op():
+    """(op module, upstream function) — the original even when our op is already installed."""
+    try:
+        module = importlib.import_module(OP_MODULE)
+    except ImportError as e:
+        raise Drift(f"{OP_MODULE} does not import ({type(e).__name__}: {e})") from e
+    fn = getattr(module, FUNCTION, None)
+    if not callable(fn):
+        raise Drift(f"{OP_MODULE}.{FUNCTION} not found")
+    return module, install.original(fn)
+
+
+def _upstream_params(fn) -> tuple[str, ...]:
+    try:
+        params = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as e:
+        raise Drift(f"{OP_MODULE}.{FUNCTION} has no readable signature ({e})") from e
+    if params[:len(BASE_PARAMS)] != BASE_PARAMS:
+        raise Drift(f"{FUNCTION}{params}: expected the parameters to start with {BASE_PARAMS}")
+    extra = params[len(BASE_PARAMS):]
+    if extra not in ((), (KEY0_PARAM,)):
+        raise Drift(f"{FUNCTION} has parameters our op does not know: {extra}")
+    return params
+
+
+def _ours():
+    try:
+        from vllm_sinks.v1.attention.ops import triton_prefill_attention
+    except ImportError as e:  # triton missing: vLLM cannot run its own Triton op either
+        return None, f"{type(e).__name__}: {e}"
+    return triton_prefill_attention.context_attention_fwd, ""
+
+
+def probe(info: VllmInfo) -> Probe:
+    _, upstream = _upstream_op()
+    params = _upstream_params(upstream)
+    ours, why_not = _ours()
+    if ours is None:
+        return Probe(False, f"our op does not import here ({why_not})")
+    if KEY0_PARAM not in params:
+        return Probe(True, "upstream op lacks the key-0 sink mode (sinks_bias_key0): ours adds it")
+    return Probe(True, "upstream op has both sink modes; ours is faster and syncs no max_input_len")
+
+
+def apply(info: VllmInfo) -> str:
+    module, upstream = _upstream_op()
+    _upstream_params(upstream)
+    ours, why_not = _ours()
+    if ours is None:
+        raise Drift(f"our op does not import ({why_not})")
+    done = []
+    install.install(module, FUNCTION, ours, PATCH_NAME)
+    done.append("triton_prefill_attention")
+    try:
+        backend = importlib.import_module(BACKEND_MODULE)
+    except ImportError as e:  # a build without the triton backend: nothing binds the name there
+        return f"{done[0]} (triton_attn does not import: {type(e).__name__})"
+    bound = getattr(backend, FUNCTION, None)
+    if bound is None:
+        return f"{done[0]} (triton_attn no longer binds {FUNCTION} at import)"
+    if install.original(bound) is not upstream:
+        raise Drift(f"{BACKEND_MODULE}.{FUNCTION} is not the op from {OP_MODULE}")
+    install.install(backend, FUNCTION, ours, PATCH_NAME)
+    done.append("triton_attn")
+    return "our op bound in " + " and ".join(done)
