@@ -6,13 +6,23 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def pytest_collection_modifyitems(config, items):
+def _cuda_available() -> bool:
     try:
         import torch
-
-        has_cuda = torch.cuda.is_available()
     except ImportError:
-        has_cuda = False
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a GPU our Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when a
+# kernel is decorated, i.e. when our op module is first imported — and vLLM's plugin loader can
+# import it (prefill-op patch) before any test module runs. So it is set here, before everything.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = _cuda_available()
     try:
         import vllm  # noqa: F401
 

@@ -111,10 +111,10 @@ def _bench(fn) -> float:
 def copy_bandwidth(device) -> float:
     """Bytes read + written per second of a large device-to-device copy."""
     n = 1 << 30  # 1 Gi bf16 elements = 2 GiB each way
-    src = torch.randn(n, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    us = _bench(lambda: dst.copy_(src))
-    del src, dst
+    buffers = [torch.randn(n, device=device, dtype=torch.bfloat16)]
+    buffers.append(torch.empty_like(buffers[0]))
+    us = _bench(lambda: buffers[1].copy_(buffers[0]))
+    buffers.clear()
     torch.cuda.empty_cache()
     return 2 * n * 2 / (us * 1e-6)
 
@@ -132,8 +132,10 @@ def _flex_runner(c: Case, q, k, v, sinks, lens):
 
     device = q.device
     doc = torch.repeat_interleave(torch.arange(c.num_seqs, device=device), lens.long())
-    first = torch.zeros(c.tokens, dtype=torch.bool, device=device)
-    first[torch.arange(c.num_seqs, device=device) * c.seq_len] = True
+    # 1.0 at each sequence's first token, else 0.0 (a float gather + FMA in score_mod; a bool
+    # gather with torch.where measured ~10x slower in run 1).
+    first = torch.zeros(c.tokens, dtype=torch.float32, device=device)
+    first[torch.arange(c.num_seqs, device=device) * c.seq_len] = 1.0
     wq, wk, causal = c.window_q, c.window_k, c.is_causal
 
     def mask_mod(b, h, qi, ki):
@@ -157,7 +159,7 @@ def _flex_runner(c: Case, q, k, v, sinks, lens):
 
     if c.sink_mode == "key0":
         def score_mod(score, b, h, qi, ki):
-            return score + torch.where(first[ki], sinks[h], 0.0)
+            return score + first[ki] * sinks[h]
 
         def run():
             return flex(qt, kt, vt, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
@@ -262,7 +264,9 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
         row["ours_tuned_err"] = relative_l2(o, ref)
     row["floor_us"] = floor_us(c, bandwidth)
     row["upstream_notes_us"] = UPSTREAM_NOTES_US.get(c.name)
-    if not args.no_flex:
+    flex_wanted = not args.no_flex and (not args.flex_cases or any(
+        w.strip() and w.strip() in c.name for w in args.flex_cases.split(",")))
+    if flex_wanted:
         try:
             run, result = _flex_runner(c, q, k, v, sinks, lens)
             row["flex_err"] = relative_l2(result(), ref)
@@ -316,17 +320,18 @@ def markdown(rows, bandwidth, device_name) -> str:
 # ---- tile-shape sweep ----------------------------------------------------------------------------
 
 def _sweep(p, group: int) -> list[LaunchConfig]:
-    """Phase-1 tile shapes, most promising first (num_stages 2; phase 2 varies the stages)."""
-    gps = sorted({1, group & -group}, reverse=True)
-    out = []
-    for rows in (128, 64, 256):
-        for gp in gps:
-            for bn in (32, 16, 64):
-                for warps in (4, 8):
-                    if rows == 256 and warps == 4:
-                        continue
-                    out.append(LaunchConfig(max(1, rows // gp), min(gp, rows), bn, warps, 2))
-    return out
+    """Tile shapes to time beside the default, most promising first (see the kernel log)."""
+    gp = group & -group
+    C = LaunchConfig
+    shapes = [
+        C(64 // gp, gp, 16, 4, 3, False, 80), C(64 // gp, gp, 16, 4, 3, False),
+        C(64 // gp, gp, 32, 4, 3, False, 96), C(64 // gp, gp, 32, 4, 3, False),
+        C(64 // gp, gp, 32, 4, 2, False), C(128 // gp, gp, 32, 8, 3, False),
+        C(64 // gp, gp, 32, 4, 2, True), C(64 // gp, gp, 16, 4, 4, False, 80),
+        C(64 // gp, gp, 16, 4, 3, True, 80), C(64 // gp, gp, 64, 4, 2, False),
+        C(128 // gp, gp, 16, 8, 3, False, 80), C(64 // gp, gp, 16, 4, 2, False, 72),
+    ]
+    return [s for s in shapes if s.block_t >= 1]
 
 
 def _time_config(p, cfg, q, k, v, o, starts, lens, sinks, ref):
@@ -351,7 +356,6 @@ def tune(cases, args) -> list[dict]:
         t0 = time.time()
         mine = []
         todo = [default] + [x for x in _sweep(p, c.q_heads // c.kv_heads) if x != default]
-        phase2_done = False
         while todo:
             cfg = todo.pop(0)
             if time.time() - t0 > args.tune_seconds:
@@ -365,12 +369,6 @@ def tune(cases, args) -> list[dict]:
                 r = dict(case=c.name, config=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {str(e)[:120]}")
             results.append(r)
             mine.append(r)
-            if not todo and not phase2_done:  # phase 2: pipelining depth of the best four
-                phase2_done = True
-                best = sorted((x for x in mine if "us" in x), key=lambda x: x["us"])[:4]
-                for b in best:
-                    for st in (1, 3, 4):
-                        todo.append(LaunchConfig(**dict(b["config"], num_stages=st)))
         best = sorted((r for r in mine if "us" in r), key=lambda r: r["us"])
         dflt = next((r["us"] for r in mine if r.get("default")), float("nan"))
         print(f"\n{c.name}: {len(mine)} shapes in {time.time() - t0:.0f} s; default {dflt:.1f} µs; best:")
@@ -386,6 +384,7 @@ def main(argv=None):
     ap.add_argument("--out", default="out/bench")
     ap.add_argument("--cases", default="", help="comma-separated substrings of case names")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles are slow)")
+    ap.add_argument("--flex-cases", default="", help="only these cases get FlexAttention (substrings)")
     ap.add_argument("--sdpa-mask-gib", type=float, default=8.0)
     ap.add_argument("--tune", action="store_true", help="sweep tile shapes (then --table too)")
     ap.add_argument("--table", action="store_true", help="with --tune: also the table, with the "

@@ -29,6 +29,8 @@ fi
 
 bench_args=()
 [ "$what" = tune ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")
+# e.g. BENCH_ARGS='--flex-cases "mimo 4x16384,gpt-oss 4x16384"' to save FlexAttention compiles
+eval "bench_args+=(${BENCH_ARGS:-})"
 
 t0=$(date +%s)
 python3 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}" --out "$out" 2>&1 | tee "$out/bench.log" | grep -v -i warn | tail -n 40

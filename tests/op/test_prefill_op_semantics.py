@@ -98,7 +98,10 @@ def test_window_at_least_sequence_length_is_full_attention(dtype, sink_mode):
     windowed = case.o.clone()
     case.kwargs.update(sliding_window_q=None, sliding_window_k=None)
     run(case)
-    torch.testing.assert_close(windowed, case.o, rtol=0, atol=0)
+    # Same function; the launcher picks other tile shapes for banded and full attention, so the
+    # low-precision roundings differ.
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(windowed, case.o, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -50,7 +50,9 @@ Design (H200, MiMo's 32/8 heads, D 64, window 64 is the case that sets the shape
   for the GP heads and the MMAs stay 64–128 rows tall even when BLOCK_T is small.
 - A small BLOCK_T keeps the band of keys a tile must visit (``BLOCK_T + wq + wk``) close to the
   ``wq + wk + 1`` each query needs; the key loop starts exactly at the first needed key.
-- The key loop is split into masked edge blocks and mask-free interior blocks.
+- Full attention splits the key loop into masked edge blocks and mask-free interior blocks; a band
+  (window) runs one masked, pipelined loop with a register cap, for more programs in flight per SM
+  (it is latency-bound: docs/notes/prefill-kernel-log.md).
 - Key 0 under ``sinks_bias_key0`` is folded into the initial softmax state (like the null logit is),
   so no block of the loop carries the bias.
 """
@@ -69,6 +71,8 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import normalize_wi
 _LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
 
 _SINKS_NONE, _SINKS_NULL_LOGIT, _SINKS_KEY0_BIAS = 0, 1, 2
+# Read when @triton.jit decorates (import time), like Triton itself does.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -313,6 +317,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     split_loops: bool = True
+    maxnreg: int | None = None  # register cap per thread: more programs per SM (latency hiding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,21 +355,26 @@ def _largest_pow2_divisor(n: int) -> int:
 
 
 def choose_config(p: Problem) -> LaunchConfig:
-    """Tile shape by problem shape.
+    """Tile shape by problem shape (H200 measurements: docs/notes/prefill-kernel-log.md).
 
-    Register and shared-memory use per shape were read from ptxas (Triton 3.6, sm_90a) before the
-    first GPU run: 128 rows with 4 warps needs ~207 registers (2 programs per SM), with 8 warps ~116;
-    fp32 operands spill unless the tile is 64 rows × 16 keys with 8 warps. Timings: see
-    docs/notes/prefill-kernel-log.md.
+    Banded attention (a window) is latency-bound: each tile visits only (BLOCK_T + wq + wk) keys, so
+    what counts is programs in flight per SM and one pipelined key loop. 64 rows (the GP query heads
+    of a KV head × BLOCK_T tokens), 16 keys per step, 4 warps, capped at 80 registers (no spill per
+    ptxas) gives 6 programs per SM. Full attention keeps long key loops, mostly mask-free: 128 rows,
+    8 warps, masked edges in their own loops. fp32 operands and D > 128 need 64 rows × 16 keys with
+    8 warps not to spill.
     """
-    if p.dtype == torch.float32:
-        rows, block_n = 64, 16
-    elif p.block_d > 128:
-        rows, block_n = 64, 16
+    gp_max = _largest_pow2_divisor(p.queries_per_kv)
+    if p.dtype == torch.float32 or p.block_d > 128:
+        rows, cfg = 64, dict(block_n=16, num_warps=8, num_stages=2)
+    elif p.banded:
+        rows = 64
+        cfg = dict(block_n=16, num_warps=4, num_stages=3, split_loops=False,
+                   maxnreg=80 if p.block_d <= 64 else None)
     else:
-        rows, block_n = 128, (32 if p.banded or p.block_d > 64 else 64)
-    gp = min(_largest_pow2_divisor(p.queries_per_kv), rows)
-    return LaunchConfig(block_t=rows // gp, gp=gp, block_n=block_n, num_warps=8, num_stages=2)
+        rows, cfg = 128, dict(block_n=64 if p.block_d <= 64 else 32, num_warps=8, num_stages=2)
+    gp = min(gp_max, rows)
+    return LaunchConfig(block_t=rows // gp, gp=gp, **cfg)
 
 
 def _check_tensor(name, t, ndim):
@@ -482,6 +492,7 @@ def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, si
         SINK_MODE=p.sink_mode, DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
         SPLIT_LOOPS=cfg.split_loops,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _INTERPRETING else {}),
     )
 
 
