@@ -44,9 +44,11 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E
 from vllm_sinks.v1.attention.ops.triton_prefill_attention import (  # noqa: E402
     LaunchConfig,
     _validate,
+    band_span,
     choose_config,
     context_attention_fwd,
     launch,
+    whole_band_chunks,
 )
 
 # vLLM 0.33.0's op on the H200, µs (op-baselines notes, 2026-11-30): not re-measured in this run.
@@ -331,15 +333,27 @@ def _sweep(p, group: int) -> list[LaunchConfig]:
         C(64 // gp, gp, 16, 4, 3, True, 80), C(64 // gp, gp, 64, 4, 2, False),
         C(128 // gp, gp, 16, 8, 3, False, 80), C(64 // gp, gp, 16, 4, 2, False, 72),
     ]
-    return [s for s in shapes if s.block_t >= 1]
+    # Whole-band softmax (no key loop) for windows: 64 rows at 4 / 8 warps, with and without a
+    # register cap, 128 rows at 8 warps, 32 rows; chunks from the op's own rule.
+    whole = []
+    for rows, warps, reg in ((64, 4, None), (64, 8, None), (64, 4, 128), (128, 8, None),
+                             (32, 4, None), (64, 4, 168)):
+        t = rows // gp
+        span = band_span(p, t) if t >= 1 else None
+        if span is not None and p.block_d <= 128:
+            n1, n2 = whole_band_chunks(span)
+            if n1 + n2 <= 256:
+                whole.append(C(t, gp, 16, warps, 1, False, reg, n1, n2))
+    return whole + [s for s in shapes if s.block_t >= 1]
 
 
 def _time_config(p, cfg, q, k, v, o, starts, lens, sinks, ref):
     def fn():
         launch(p, cfg, q, k, v, o, starts, lens, sinks)
 
-    fn()
-    return _bench(fn), relative_l2(o, ref)
+    kernel = launch(p, cfg, q, k, v, o, starts, lens, sinks)
+    regs = (getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None))
+    return _bench(fn), relative_l2(o, ref), regs
 
 
 def tune(cases, args) -> list[dict]:
@@ -362,9 +376,9 @@ def tune(cases, args) -> list[dict]:
                 print(f"  ({c.name}: stopped at the {args.tune_seconds} s budget)")
                 break
             try:
-                us, err = _time_config(p, cfg, q, k, v, o, starts, lens, sinks, ref)
+                us, err, regs = _time_config(p, cfg, q, k, v, o, starts, lens, sinks, ref)
                 r = dict(case=c.name, config=dataclasses.asdict(cfg), us=us, err=err,
-                         default=(cfg == default))
+                         regs_spills=regs, default=(cfg == default))
             except Exception as e:  # noqa: BLE001 - out of resources etc.: skip that shape
                 r = dict(case=c.name, config=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {str(e)[:120]}")
             results.append(r)
@@ -372,8 +386,8 @@ def tune(cases, args) -> list[dict]:
         best = sorted((r for r in mine if "us" in r), key=lambda r: r["us"])
         dflt = next((r["us"] for r in mine if r.get("default")), float("nan"))
         print(f"\n{c.name}: {len(mine)} shapes in {time.time() - t0:.0f} s; default {dflt:.1f} µs; best:")
-        for r in best[:8]:
-            print(f"  {r['us']:8.1f} µs err {r['err']:.2e} {r['config']}")
+        for r in best[:12]:
+            print(f"  {r['us']:8.1f} µs err {r['err']:.2e} regs/spills {r['regs_spills']} {r['config']}")
         del q, k, v, o
         torch.cuda.empty_cache()
     return results

@@ -21,8 +21,8 @@ import gc
 import json
 import os
 import sys
-import time
-import traceback
+
+from vllm_sinks.testing.vllm_worker import serve_jobs
 
 
 def _layer_index(prefix: str) -> int | None:
@@ -154,38 +154,11 @@ def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, pytho
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print("usage: python -m vllm_sinks.testing.inspect_transformers_model JOBS.json RESULTS.json",
-              file=sys.stderr)
-        return 2
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         print("inspect_transformers_model: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (the model must live "
               "in this process to be inspected)", file=sys.stderr)
         return 2
-    jobs_path, out_path = argv
-    with open(jobs_path) as f:
-        jobs = json.load(f)["jobs"]
-    results: list[dict] = []
-
-    def write() -> None:
-        with open(out_path + ".tmp", "w") as f:
-            json.dump({"pid": os.getpid(), "results": results}, f)
-        os.replace(out_path + ".tmp", out_path)
-
-    write()
-    for i, job in enumerate(jobs):
-        print(f"@@inspect-job {i} {job['impl']} {job['dtype']} {job['model']}", file=sys.stderr, flush=True)
-        start = time.monotonic()
-        try:
-            result = run_job(job)
-        except Exception as e:  # noqa: BLE001 - one failing model must not hide the others
-            traceback.print_exc()
-            result = {"error": f"{type(e).__name__}: {e}"}
-        result["seconds"] = round(time.monotonic() - start, 2)
-        results.append(result)
-        write()
-    return 0
+    return serve_jobs(argv, "vllm_sinks.testing.inspect_transformers_model", run_job)
 
 
 if __name__ == "__main__":

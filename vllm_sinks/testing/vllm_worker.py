@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Callable
 
 JOB_BEGIN = "@@vllm-sinks-job-begin"
 JOB_END = "@@vllm-sinks-job-end"
@@ -76,10 +77,16 @@ def run_job(job: dict) -> list[float]:
         gc.collect()
 
 
-def main(argv: list[str] | None = None) -> int:
+def serve_jobs(argv: list[str] | None, prog: str, run: Callable[[dict], dict]) -> int:
+    """The job-file protocol shared by this worker and ``inspect_transformers_model``.
+
+    Reads ``{"jobs": [...]}``, runs ``run(job)`` for each (a result dict, or ``{"error": ...}`` if it
+    raises), frames each job on stderr with JOB_BEGIN/JOB_END and rewrites RESULTS.json atomically after
+    every job, so a native crash still leaves the finished results and says which job was running.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m vllm_sinks.testing.vllm_worker JOBS.json RESULTS.json", file=sys.stderr)
+        print(f"usage: python -m {prog} JOBS.json RESULTS.json", file=sys.stderr)
         return 2
     jobs_path, out_path = argv
     with open(jobs_path) as f:
@@ -97,13 +104,19 @@ def main(argv: list[str] | None = None) -> int:
         _mark(JOB_BEGIN, i)
         start = time.monotonic()
         try:
-            results.append({"logprobs": run_job(job), "seconds": time.monotonic() - start})
+            result = run(job)
         except Exception as e:  # noqa: BLE001 - one failing model must not hide the others' numbers
             traceback.print_exc()
-            results.append({"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start})
+            result = {"error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = round(time.monotonic() - start, 2)
+        results.append(result)
         _mark(JOB_END, i)
         write()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve_jobs(argv, "vllm_sinks.testing.vllm_worker", lambda job: {"logprobs": run_job(job)})
 
 
 if __name__ == "__main__":

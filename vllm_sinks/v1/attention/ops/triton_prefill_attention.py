@@ -137,6 +137,70 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
 
 
 @triton.jit
+def _band_chunk_scores(q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, key_lo,
+                       window_q, window_k, IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr,
+                       HAS_WK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Masked raw scores ``q·k`` of keys ``key_lo … key_lo + N - 1`` and their value rows."""
+    pos_k = key_lo + tl.arange(0, N)
+    kv_ok = (pos_k < seq_len)[:, None]
+    if not EVEN_D:
+        kv_ok = kv_ok & (offs_d < HEAD_DIM)[None, :]
+    off = pos_k.to(tl.int64)[:, None]
+    k = tl.load(k_base + off * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+    # V is issued with K: nothing else is in flight in a loop-free program, so its latency hides
+    # behind the QK dot and the softmax instead of following them.
+    v = tl.load(v_base + off * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    visible = (pos_k < seq_len)[None, :]
+    if IS_CAUSAL:
+        visible = visible & (pos_k[None, :] <= pos_q[:, None])
+    if HAS_WQ:
+        visible = visible & (pos_q[:, None] - pos_k[None, :] <= window_q)
+    if HAS_WK:
+        visible = visible & (pos_k[None, :] - pos_q[:, None] <= window_k)
+    return tl.where(visible, qk, float("-inf")), v
+
+
+@triton.jit
+def _attend_whole_band(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q,
+                       seq_len, key_lo, qk_scale, window_q, window_k, IS_CAUSAL: tl.constexpr,
+                       HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, EVEN_D: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Exact softmax over the tile's whole key band ``key_lo … key_lo + N1 + N2 - 1`` at once.
+
+    The launcher guarantees that every key some row of the tile sees lies in that range (N1, N2 are
+    powers of two: e.g. 128 + 16 for 16 tokens and a ±64 window). The row max is taken once over all
+    scores, so there is no online rescaling of the accumulator (4 multiplies per score at BLOCK_N 16
+    in the loop) and there are 2 + 2 dots instead of 2 per 16 keys. The initial state (null logit,
+    key 0 with its bias) enters exactly as in the loop: as one more term of the max and the sum.
+    """
+    qk1, v1 = _band_chunk_scores(q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len,
+                                 key_lo, window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK, EVEN_D,
+                                 HEAD_DIM, N1, DOT_PRECISION)
+    row_max = tl.max(qk1, 1)
+    if N2 > 0:
+        qk2, v2 = _band_chunk_scores(q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q,
+                                     seq_len, key_lo + N1, window_q, window_k, IS_CAUSAL, HAS_WQ,
+                                     HAS_WK, EVEN_D, HEAD_DIM, N2, DOT_PRECISION)
+        row_max = tl.maximum(row_max, tl.max(qk2, 1))
+    # qk_scale > 0, so max(qk) * scale is the max of the scaled logits.
+    m_new = tl.maximum(m_i, row_max * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows: nothing visible, no sink
+    alpha = tl.math.exp2(m_i - m_use)  # once per row (the initial state), not per key block
+    p1 = tl.math.exp2(qk1 * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p1, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p1.to(v1.dtype), v1, acc, input_precision=DOT_PRECISION)
+    if N2 > 0:
+        p2 = tl.math.exp2(qk2 * qk_scale - m_use[:, None])
+        l_i += tl.sum(p2, 1)
+        acc = tl.dot(p2.to(v2.dtype), v2, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _key_band(q_start, q_last, seq_len, window_q, window_k, BLOCK_N: tl.constexpr,
               IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
               SKIP_KEY0: tl.constexpr):
@@ -185,6 +249,7 @@ def _prefill_attention_kernel(
     IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
     SINK_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_LOOPS: tl.constexpr,  # masked edges / mask-free middle in separate loops, or one loop
+    BAND_N1: tl.constexpr, BAND_N2: tl.constexpr,  # > 0: whole-band softmax over N1 + N2 keys
 ):
     ROWS: tl.constexpr = BLOCK_T * GP
     pid = tl.program_id(0)
@@ -269,11 +334,16 @@ def _prefill_attention_kernel(
                 l_i = tl.where(sees_key0, 1.0, 0.0)
                 acc = tl.where(sees_key0[:, None], v0[None, :], 0.0)
 
-    # -- key blocks: masked head, mask-free middle, masked tail
+    # -- key blocks: the whole band at once, or masked head, mask-free middle, masked tail
     lo, first_full, end_full, n_blocks = _key_band(
         q_start, q_last, seq_len, window_q, window_k, BLOCK_N, IS_CAUSAL, HAS_WQ, HAS_WK,
         SINK_MODE == 2)
-    if SPLIT_LOOPS:
+    if BAND_N1 > 0:
+        acc, l_i, m_i = _attend_whole_band(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
+            qk_scale, window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK, BLOCK_D == HEAD_DIM, HEAD_DIM,
+            BAND_N1, BAND_N2, DOT_PRECISION)
+    elif SPLIT_LOOPS:
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
             0, first_full, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
@@ -318,6 +388,10 @@ class LaunchConfig:
     num_stages: int
     split_loops: bool = True
     maxnreg: int | None = None  # register cap per thread: more programs per SM (latency hiding)
+    # Whole-band softmax (banded problems): all keys of a tile's band in two chunks of band_n1 and
+    # band_n2 keys (powers of two, band_n2 may be 0), no key loop; block_n and split_loops unused.
+    band_n1: int = 0
+    band_n2: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +428,40 @@ def _largest_pow2_divisor(n: int) -> int:
     return n & -n
 
 
+def band_span(p: Problem, block_t: int) -> int | None:
+    """Most keys one tile of ``block_t`` query tokens can see (None: unbounded).
+
+    Rows ``q … q + T - 1`` see keys ``q - wq … q + T - 1 + wk`` (``… q + T - 1`` when causal): at
+    most ``T + wq + wk`` (``T + wq``) keys. Key 0 under the key-0 bias is folded in before, so it only
+    shortens the band.
+    """
+    if not p.banded:
+        return None
+    ahead = 0 if p.is_causal else p.window_k
+    return block_t + p.window_q + ahead
+
+
+def whole_band_chunks(span: int) -> tuple[int, int]:
+    """Two power-of-two chunks covering ``span`` keys with little waste: 144 → 128 + 16.
+
+    The second chunk is at least 16 keys (tl.dot's minimum K for the P·V product); when it would be
+    as long as the first, one chunk of twice the size does the same work in fewer dots.
+    """
+    n1 = 1 << (span.bit_length() - 1)
+    rest = span - n1
+    if rest == 0:
+        return max(n1, 16), 0
+    n2 = max(16, triton.next_power_of_2(rest))
+    if n2 >= n1:
+        return max(2 * n1, 16), 0
+    return n1, n2
+
+
+# Longest band the whole-band path takes (keys, after rounding to the two chunks): a 64-row tile
+# holds 64 × (n1 + n2) fp32 scores in registers, 72 per thread at 160 keys and 4 warps.
+_WHOLE_BAND_MAX_KEYS = 160
+
+
 def choose_config(p: Problem) -> LaunchConfig:
     """Tile shape by problem shape (H200 measurements: docs/notes/prefill-kernel-log.md).
 
@@ -365,6 +473,14 @@ def choose_config(p: Problem) -> LaunchConfig:
     8 warps not to spill.
     """
     gp_max = _largest_pow2_divisor(p.queries_per_kv)
+    if p.banded and p.dtype != torch.float32 and p.block_d <= 64:
+        # Whole-band softmax (kernel log, run 3): 64 rows, the band's scores in registers at once.
+        gp = min(gp_max, 64)
+        block_t = 64 // gp
+        n1, n2 = whole_band_chunks(band_span(p, block_t))
+        if n1 + n2 <= _WHOLE_BAND_MAX_KEYS:
+            return LaunchConfig(block_t=block_t, gp=gp, block_n=16, num_warps=4, num_stages=1,
+                                split_loops=False, band_n1=n1, band_n2=n2)
     if p.dtype == torch.float32 or p.block_d > 128:
         rows, cfg = 64, dict(block_n=16, num_warps=8, num_stages=2)
     elif p.banded:
@@ -470,17 +586,23 @@ def _validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, soft
                    sink_mode=sink_mode, scale=scale)
 
 
-def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks) -> None:
+def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks):
     """Launch for an already validated problem (the benchmark calls this to compare tile shapes)."""
     if p.tokens == 0 or p.num_seqs == 0:
         return
     if p.queries_per_kv % cfg.gp:
         raise ValueError(f"gp={cfg.gp} must divide the {p.queries_per_kv} query heads per KV head")
+    if cfg.band_n1:
+        span = band_span(p, cfg.block_t)
+        if span is None or cfg.band_n1 + cfg.band_n2 < span:
+            raise ValueError(f"whole-band chunks {cfg.band_n1} + {cfg.band_n2} do not cover the "
+                             f"band of {span} keys of a {cfg.block_t}-token tile")
     num_head_groups = p.q_heads // cfg.gp
     # Σ ceil(len_b / T) <= floor((tokens + B (T - 1)) / T) when the sequences fit in the buffer.
     max_tiles = (p.tokens + p.num_seqs * (cfg.block_t - 1)) // cfg.block_t
     grid = (num_head_groups * max_tiles,)
-    _prefill_attention_kernel[grid](
+    # Returns Triton's compiled kernel (registers, spills: the benchmark's sweep prints them).
+    return _prefill_attention_kernel[grid](
         q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len,
         p.num_seqs, p.tokens, num_head_groups, p.scale * _LOG2E, p.window_q, p.window_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -490,7 +612,7 @@ def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, si
         BLOCK_D=p.block_d, HEAD_DIM=p.head_dim, BLOCK_B=128,
         IS_CAUSAL=p.is_causal, HAS_WQ=p.window_q > 0, HAS_WK=p.window_k > 0,
         SINK_MODE=p.sink_mode, DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
-        SPLIT_LOOPS=cfg.split_loops,
+        SPLIT_LOOPS=cfg.split_loops, BAND_N1=cfg.band_n1, BAND_N2=cfg.band_n2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _INTERPRETING else {}),
     )
