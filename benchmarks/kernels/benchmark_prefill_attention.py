@@ -44,11 +44,10 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E
 from vllm_sinks.v1.attention.ops.triton_prefill_attention import (  # noqa: E402
     LaunchConfig,
     _validate,
-    band_span,
     choose_config,
     context_attention_fwd,
     launch,
-    whole_band_chunks,
+    whole_band_config,
 )
 
 # vLLM 0.33.0's op on the H200, µs (op-baselines notes, 2026-11-30): not re-measured in this run.
@@ -333,17 +332,14 @@ def _sweep(p, group: int) -> list[LaunchConfig]:
         C(64 // gp, gp, 16, 4, 3, True, 80), C(64 // gp, gp, 64, 4, 2, False),
         C(128 // gp, gp, 16, 8, 3, False, 80), C(64 // gp, gp, 16, 4, 2, False, 72),
     ]
-    # Whole-band softmax (no key loop) for windows: 64 rows at 4 / 8 warps, with and without a
-    # register cap, 128 rows at 8 warps, 32 rows; chunks from the op's own rule.
-    whole = []
-    for rows, warps, reg in ((64, 4, None), (64, 8, None), (64, 4, 128), (128, 8, None),
-                             (32, 4, None), (64, 4, 168)):
-        t = rows // gp
-        span = band_span(p, t) if t >= 1 else None
-        if span is not None and p.block_d <= 128:
-            n1, n2 = whole_band_chunks(span)
-            if n1 + n2 <= 256:
-                whole.append(C(t, gp, 16, warps, 1, False, reg, n1, n2))
+    # Whole-band softmax (no key loop) for windows, V loaded late or with K, with and without a
+    # register cap (run 3: 8 warps and 32 / 128 rows were 1.3-2x slower than 64 rows at 4 warps).
+    whole = [whole_band_config(p, 4, reg, early) for reg in (None, 168, 128) for early in (False, True)]
+    whole = [w for w in whole if w is not None]
+    # Conditional rescaling in the key loop (FlashAttention-4): the rescale skipped unless a row max
+    # grows by more than 2^8.
+    lazy = [C(64 // gp, gp, 16, 4, 3, True, 80, lazy_tau=8.0), C(64 // gp, gp, 16, 4, 3, False, 80, lazy_tau=8.0)]
+    whole = lazy + whole
     return whole + [s for s in shapes if s.block_t >= 1]
 
 

@@ -1,10 +1,12 @@
 """The whole-band softmax path (banded problems, no key loop) against the reference.
 
-``choose_config`` takes it for bf16/fp16 windows whose band fits ``_WHOLE_BAND_MAX_KEYS``; these tests
-check that selection and run the path itself on the shapes where it matters: both sink modes, GQA,
-zero-length and short sequences, key 0 outside the window, causal windows, bands that are exactly a
-power of two (one chunk) or not (two chunks), head dims that need masking. fp32 is run through
-``launch`` with an explicit whole-band config (the default keeps fp32 on the loop kernel).
+``whole_band_config`` gives it for bf16/fp16 windows whose band fits ``_WHOLE_BAND_MAX_KEYS``
+(``choose_config`` takes it only when ``_WHOLE_BAND_DEFAULT`` is on: it measured slower on the H200,
+so it is off). These tests check where it applies and run the path itself, through ``launch`` and
+through the public call with the default switched on: both sink modes, GQA, MQA, zero-length and
+short sequences, key 0 outside the window, causal windows, bands that are exactly a power of two
+(one chunk) or not (two chunks), V loaded early or late, head dims that need masking; fp32 with
+explicit whole-band configs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from prefill_op_cases import check_tolerance, check_writes, make_case
+import vllm_sinks.v1.attention.ops.triton_prefill_attention as op
 from vllm_sinks.v1.attention.ops.triton_prefill_attention import (
     LaunchConfig,
     _validate,
@@ -21,6 +24,7 @@ from vllm_sinks.v1.attention.ops.triton_prefill_attention import (
     context_attention_fwd,
     launch,
     whole_band_chunks,
+    whole_band_config,
 )
 
 
@@ -44,16 +48,23 @@ def test_whole_band_chunks_cover_the_band(span, chunks):
     assert n1 + n2 >= span and n1 >= 16 and (n2 == 0 or n2 >= 16)
 
 
-def test_mimo_shape_selects_whole_band():
+def test_where_whole_band_applies(monkeypatch):
     case = make_case([40], 32, 8, 64, torch.float16, window_q=64, window_k=64, sink_mode="key0",
                      generator=_gen(0))
-    cfg = choose_config(_problem(case))
+    p = _problem(case)
+    cfg = whole_band_config(p)
     assert (cfg.block_t, cfg.gp, cfg.band_n1, cfg.band_n2) == (16, 4, 128, 16)
-    # Not banded (one side unbounded) or fp32: the loop kernel.
-    for kw, dtype in ((dict(window_q=64, window_k=None), torch.float16),
-                      (dict(window_q=64, window_k=64), torch.float32),
-                      (dict(window_q=None, window_k=None), torch.float16)):
-        case = make_case([40], 32, 8, 64, dtype, sink_mode="key0", generator=_gen(0), **kw)
+    assert choose_config(p).band_n1 == 0  # off by default (slower on the H200)
+    monkeypatch.setattr(op, "_WHOLE_BAND_DEFAULT", True)
+    assert choose_config(p) == cfg
+    # Not banded (one side unbounded), fp32, D > 64, band too long: the loop kernel.
+    for kw, dtype, d in ((dict(window_q=64, window_k=None), torch.float16, 64),
+                         (dict(window_q=64, window_k=64), torch.float32, 64),
+                         (dict(window_q=None, window_k=None), torch.float16, 64),
+                         (dict(window_q=64, window_k=64), torch.float16, 128),
+                         (dict(window_q=100, window_k=64), torch.float16, 64)):
+        case = make_case([40], 32, 8, d, dtype, sink_mode="key0", generator=_gen(0), **kw)
+        assert whole_band_config(_problem(case)) is None
         assert choose_config(_problem(case)).band_n1 == 0
 
 
@@ -91,14 +102,22 @@ DEFAULT_CASES = {
 }
 
 
+@pytest.mark.parametrize("early_v", [False, True], ids=["late-v", "early-v"])
 @pytest.mark.parametrize("name", list(DEFAULT_CASES))
-def test_default_whole_band_against_reference(name):
+def test_default_whole_band_against_reference(name, early_v, monkeypatch):
     spec = dict(DEFAULT_CASES[name])
     lens, hq, hkv, d = spec.pop("lens"), spec.pop("hq"), spec.pop("hkv"), spec.pop("d")
     case = make_case(lens, hq, hkv, d, torch.float16, gaps=1, sink_std=2.0, generator=_gen(7),
                      **spec)
-    assert choose_config(_problem(case)).band_n1 > 0, "the whole-band path was not selected"
-    context_attention_fwd(*case.call_args(), max(lens), **case.op_kwargs())
+    cfg = whole_band_config(_problem(case), early_v=early_v)
+    assert cfg is not None, "the whole-band path does not apply"
+    # Through the public call, as choose_config would launch it with the default switched on.
+    monkeypatch.setattr(op, "choose_config", lambda p: cfg)
+    op._VALIDATED.clear()
+    try:
+        context_attention_fwd(*case.call_args(), max(lens), **case.op_kwargs())
+    finally:
+        op._VALIDATED.clear()
     check_writes(case)
     check_tolerance(case)
 
@@ -107,7 +126,8 @@ def test_default_whole_band_against_reference(name):
 # sequence, one or two chunks, key 0 outside the window of later tiles.
 EXPLICIT = [
     (LaunchConfig(16, 1, 16, 4, 1, band_n1=32, band_n2=0), dict(is_causal=False, window_q=7, window_k=9)),
-    (LaunchConfig(8, 2, 16, 4, 1, band_n1=32, band_n2=16), dict(is_causal=False, window_q=20, window_k=17)),
+    (LaunchConfig(8, 2, 16, 4, 1, band_n1=32, band_n2=16, band_early_v=True),
+     dict(is_causal=False, window_q=20, window_k=17)),
     (LaunchConfig(4, 4, 16, 4, 1, band_n1=16, band_n2=16), dict(is_causal=True, window_q=24, window_k=0)),
     (LaunchConfig(16, 2, 16, 4, 1, band_n1=64, band_n2=0), dict(is_causal=False, window_q=3, window_k=40)),
 ]

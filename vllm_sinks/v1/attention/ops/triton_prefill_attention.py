@@ -50,9 +50,12 @@ Design (H200, MiMo's 32/8 heads, D 64, window 64 is the case that sets the shape
   for the GP heads and the MMAs stay 64–128 rows tall even when BLOCK_T is small.
 - A small BLOCK_T keeps the band of keys a tile must visit (``BLOCK_T + wq + wk``) close to the
   ``wq + wk + 1`` each query needs; the key loop starts exactly at the first needed key.
-- Full attention splits the key loop into masked edge blocks and mask-free interior blocks; a band
-  (window) runs one masked, pipelined loop with a register cap, for more programs in flight per SM
-  (it is latency-bound: docs/notes/prefill-kernel-log.md).
+- The key loop is split into masked edge blocks and mask-free interior blocks; a band (window) runs
+  16-key steps with a register cap, for more programs in flight per SM (it is latency-bound:
+  docs/notes/prefill-kernel-log.md).
+- A whole-band softmax path (no key loop: the band's scores in two dots, exact row max, no online
+  rescaling) exists for windows (``whole_band_config``) but is not the default: it measured slower
+  on the H200 (register pressure: 2 programs per SM instead of 6; kernel log, run 3).
 - Key 0 under ``sinks_bias_key0`` is folded into the initial softmax state (like the null logit is),
   so no block of the loop carries the bias.
 """
@@ -80,11 +83,16 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
                        seq_len, key_lo, first_block, end_block, qk_scale, window_q, window_k,
                        MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr,
                        HAS_WK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       LAZY_TAU: tl.constexpr = 0.0):
     """Online softmax over key blocks ``first_block … end_block - 1`` starting at key ``key_lo``.
 
     MASKED blocks straddle a band edge (or the sequence end) and apply the visibility mask; the others
     are visible to every valid row of the tile and skip it. Positions are relative to the sequence.
+    LAZY_TAU > 0 (FlashAttention-4's conditional rescaling): the reference max ``m_i`` only moves,
+    with the accumulator rescale, when some row's block max exceeds it by more than LAZY_TAU (log2
+    units); otherwise the block is exponentiated against the stale max (p ≤ 2^LAZY_TAU, exact after
+    the final division) and the rescale of acc and l is skipped for the whole tile.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -116,11 +124,25 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
         # qk_scale > 0 (checked by the launcher), so max(qk) * scale is the max of the scaled logits
         # and qk * scale - m below is one FMA per element.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from inf - inf.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if LAZY_TAU > 0:
+            # (-inf > -inf + tau is False: rows that saw nothing yet do not force a rescale.)
+            grow = tl.max(tl.where(m_new > m_i + LAZY_TAU, 1, 0), 0)
+            if grow > 0:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m_i - m_use)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from
+            # inf - inf.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
 
         if MASKED:
             v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
@@ -128,29 +150,38 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None]
+        if LAZY_TAU == 0:
+            acc = acc * alpha[:, None]
+            m_i = m_new
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
         k_ptrs += BLOCK_N * stride_kt
         v_ptrs += BLOCK_N * stride_vt
     return acc, l_i, m_i
 
 
 @triton.jit
-def _band_chunk_scores(q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, key_lo,
-                       window_q, window_k, IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr,
-                       HAS_WK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Masked raw scores ``q·k`` of keys ``key_lo … key_lo + N - 1`` and their value rows."""
+def _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo, EVEN_D: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, N: tl.constexpr):
+    pos_k = key_lo + tl.arange(0, N)
+    kv_ok = (pos_k < seq_len)[:, None]
+    if not EVEN_D:
+        kv_ok = kv_ok & (offs_d < HEAD_DIM)[None, :]
+    return tl.load(v_base + pos_k.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=kv_ok,
+                   other=0.0)
+
+
+@triton.jit
+def _band_chunk_scores(q, k_base, stride_kt, offs_d, pos_q, seq_len, key_lo, window_q, window_k,
+                       IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
+                       EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, N: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Masked raw scores ``q·k`` of keys ``key_lo … key_lo + N - 1``."""
     pos_k = key_lo + tl.arange(0, N)
     kv_ok = (pos_k < seq_len)[:, None]
     if not EVEN_D:
         kv_ok = kv_ok & (offs_d < HEAD_DIM)[None, :]
     off = pos_k.to(tl.int64)[:, None]
     k = tl.load(k_base + off * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-    # V is issued with K: nothing else is in flight in a loop-free program, so its latency hides
-    # behind the QK dot and the softmax instead of following them.
-    v = tl.load(v_base + off * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     visible = (pos_k < seq_len)[None, :]
     if IS_CAUSAL:
@@ -159,7 +190,7 @@ def _band_chunk_scores(q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, s
         visible = visible & (pos_q[:, None] - pos_k[None, :] <= window_q)
     if HAS_WK:
         visible = visible & (pos_k[None, :] - pos_q[:, None] <= window_k)
-    return tl.where(visible, qk, float("-inf")), v
+    return tl.where(visible, qk, float("-inf"))
 
 
 @triton.jit
@@ -167,7 +198,7 @@ def _attend_whole_band(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
                        seq_len, key_lo, qk_scale, window_q, window_k, IS_CAUSAL: tl.constexpr,
                        HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, EVEN_D: tl.constexpr,
                        HEAD_DIM: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, EARLY_V: tl.constexpr):
     """Exact softmax over the tile's whole key band ``key_lo … key_lo + N1 + N2 - 1`` at once.
 
     The launcher guarantees that every key some row of the tile sees lies in that range (N1, N2 are
@@ -176,14 +207,23 @@ def _attend_whole_band(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
     in the loop) and there are 2 + 2 dots instead of 2 per 16 keys. The initial state (null logit,
     key 0 with its bias) enters exactly as in the loop: as one more term of the max and the sum.
     """
-    qk1, v1 = _band_chunk_scores(q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len,
-                                 key_lo, window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK, EVEN_D,
-                                 HEAD_DIM, N1, DOT_PRECISION)
+    # EARLY_V issues V with K: nothing else is in flight in a loop-free program, so its latency
+    # hides behind the QK dots and the softmax, at the price of V's registers held meanwhile
+    # (run 3: 202 registers per thread at 64 rows × 144 keys, 2 programs per SM). The V loads sit
+    # under constexpr ifs (resolved when compiling), so v1 / v2 are defined on one path only.
+    if EARLY_V:
+        v1 = _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo, EVEN_D, HEAD_DIM, N1)
+        if N2 > 0:
+            v2 = _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo + N1, EVEN_D,
+                                    HEAD_DIM, N2)
+    qk1 = _band_chunk_scores(q, k_base, stride_kt, offs_d, pos_q, seq_len, key_lo, window_q,
+                             window_k, IS_CAUSAL, HAS_WQ, HAS_WK, EVEN_D, HEAD_DIM, N1,
+                             DOT_PRECISION)
     row_max = tl.max(qk1, 1)
     if N2 > 0:
-        qk2, v2 = _band_chunk_scores(q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q,
-                                     seq_len, key_lo + N1, window_q, window_k, IS_CAUSAL, HAS_WQ,
-                                     HAS_WK, EVEN_D, HEAD_DIM, N2, DOT_PRECISION)
+        qk2 = _band_chunk_scores(q, k_base, stride_kt, offs_d, pos_q, seq_len, key_lo + N1,
+                                 window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK, EVEN_D, HEAD_DIM,
+                                 N2, DOT_PRECISION)
         row_max = tl.maximum(row_max, tl.max(qk2, 1))
     # qk_scale > 0, so max(qk) * scale is the max of the scaled logits.
     m_new = tl.maximum(m_i, row_max * qk_scale)
@@ -192,10 +232,15 @@ def _attend_whole_band(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
     p1 = tl.math.exp2(qk1 * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p1, 1)
     acc = acc * alpha[:, None]
+    if not EARLY_V:
+        v1 = _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo, EVEN_D, HEAD_DIM, N1)
     acc = tl.dot(p1.to(v1.dtype), v1, acc, input_precision=DOT_PRECISION)
     if N2 > 0:
         p2 = tl.math.exp2(qk2 * qk_scale - m_use[:, None])
         l_i += tl.sum(p2, 1)
+        if not EARLY_V:
+            v2 = _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo + N1, EVEN_D,
+                                    HEAD_DIM, N2)
         acc = tl.dot(p2.to(v2.dtype), v2, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -250,6 +295,8 @@ def _prefill_attention_kernel(
     SINK_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_LOOPS: tl.constexpr,  # masked edges / mask-free middle in separate loops, or one loop
     BAND_N1: tl.constexpr, BAND_N2: tl.constexpr,  # > 0: whole-band softmax over N1 + N2 keys
+    BAND_EARLY_V: tl.constexpr,  # whole band: load V together with K (else after the softmax)
+    LAZY_TAU: tl.constexpr,  # key loop: > 0 rescales only when a row max grows by more (log2)
 ):
     ROWS: tl.constexpr = BLOCK_T * GP
     pid = tl.program_id(0)
@@ -342,27 +389,27 @@ def _prefill_attention_kernel(
         acc, l_i, m_i = _attend_whole_band(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
             qk_scale, window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK, BLOCK_D == HEAD_DIM, HEAD_DIM,
-            BAND_N1, BAND_N2, DOT_PRECISION)
+            BAND_N1, BAND_N2, DOT_PRECISION, BAND_EARLY_V)
     elif SPLIT_LOOPS:
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
             0, first_full, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
-            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION, LAZY_TAU)
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
             first_full, end_full, qk_scale, window_q, window_k, False, IS_CAUSAL, HAS_WQ, HAS_WK,
-            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION, LAZY_TAU)
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
             end_full, n_blocks, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
-            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION, LAZY_TAU)
     else:
         # One masked loop over the whole band: a single pipeline (one prologue of exposed load
         # latency instead of three) at the price of mask arithmetic in every block.
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
             0, n_blocks, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
-            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION, LAZY_TAU)
 
     # Valid rows always have l_i > 0 (a query sees itself); padding rows are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -392,6 +439,8 @@ class LaunchConfig:
     # band_n2 keys (powers of two, band_n2 may be 0), no key loop; block_n and split_loops unused.
     band_n1: int = 0
     band_n2: int = 0
+    band_early_v: bool = False  # load V with K (more registers) or after the softmax
+    lazy_tau: float = 0.0  # key loop: conditional rescaling threshold in log2 units (0: every block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,32 +509,51 @@ def whole_band_chunks(span: int) -> tuple[int, int]:
 # Longest band the whole-band path takes (keys, after rounding to the two chunks): a 64-row tile
 # holds 64 × (n1 + n2) fp32 scores in registers, 72 per thread at 160 keys and 4 warps.
 _WHOLE_BAND_MAX_KEYS = 160
+# Whether choose_config picks the whole band where it applies. Off: on the H200 it lost to the key
+# loop (run 3, MiMo 4 × 16384: 688 µs vs 494 µs; 202 registers per thread, 2 programs per SM where
+# the loop kernel runs 6). Kept for the sweep and for later work (docs/notes/prefill-kernel-log.md).
+_WHOLE_BAND_DEFAULT = False
+
+
+def whole_band_config(p: Problem, num_warps: int = 4, maxnreg: int | None = None,
+                      early_v: bool = False, rows: int = 64) -> LaunchConfig | None:
+    """The whole-band tile shape for ``p`` (None where it does not apply: not banded, fp32, D > 64,
+    or a band longer than _WHOLE_BAND_MAX_KEYS keys)."""
+    if not p.banded or p.dtype == torch.float32 or p.block_d > 64:
+        return None
+    gp = min(_largest_pow2_divisor(p.queries_per_kv), rows)
+    block_t = rows // gp
+    n1, n2 = whole_band_chunks(band_span(p, block_t))
+    if n1 + n2 > _WHOLE_BAND_MAX_KEYS:
+        return None
+    return LaunchConfig(block_t=block_t, gp=gp, block_n=16, num_warps=num_warps, num_stages=1,
+                        split_loops=False, maxnreg=maxnreg, band_n1=n1, band_n2=n2,
+                        band_early_v=early_v)
 
 
 def choose_config(p: Problem) -> LaunchConfig:
     """Tile shape by problem shape (H200 measurements: docs/notes/prefill-kernel-log.md).
 
     Banded attention (a window) is latency-bound: each tile visits only (BLOCK_T + wq + wk) keys, so
-    what counts is programs in flight per SM and one pipelined key loop. 64 rows (the GP query heads
-    of a KV head × BLOCK_T tokens), 16 keys per step, 4 warps, capped at 80 registers (no spill per
-    ptxas) gives 6 programs per SM. Full attention keeps long key loops, mostly mask-free: 128 rows,
-    8 warps, masked edges in their own loops. fp32 operands and D > 128 need 64 rows × 16 keys with
-    8 warps not to spill.
+    what counts is programs in flight per SM. 64 rows (the GP query heads of a KV head × BLOCK_T
+    tokens), 16 keys per step, 4 warps, capped at 80 registers (no spill per ptxas) gives 6 programs
+    per SM; masked edge blocks in their own loops (2–3 % over one masked loop). The whole-band path
+    is taken only when _WHOLE_BAND_DEFAULT says so (off: slower, kernel log run 3). Full attention
+    keeps long key loops, mostly mask-free: 128 rows, 8 warps, masked edges in their own loops. fp32
+    operands and D > 128 need 64 rows × 16 keys with 8 warps not to spill.
     """
     gp_max = _largest_pow2_divisor(p.queries_per_kv)
-    if p.banded and p.dtype != torch.float32 and p.block_d <= 64:
-        # Whole-band softmax (kernel log, run 3): 64 rows, the band's scores in registers at once.
-        gp = min(gp_max, 64)
-        block_t = 64 // gp
-        n1, n2 = whole_band_chunks(band_span(p, block_t))
-        if n1 + n2 <= _WHOLE_BAND_MAX_KEYS:
-            return LaunchConfig(block_t=block_t, gp=gp, block_n=16, num_warps=4, num_stages=1,
-                                split_loops=False, band_n1=n1, band_n2=n2)
+    if _WHOLE_BAND_DEFAULT:
+        whole = whole_band_config(p)
+        if whole is not None:
+            return whole
     if p.dtype == torch.float32 or p.block_d > 128:
         rows, cfg = 64, dict(block_n=16, num_warps=8, num_stages=2)
     elif p.banded:
         rows = 64
-        cfg = dict(block_n=16, num_warps=4, num_stages=3, split_loops=False,
+        # Masked edges in their own loops: 493 vs 503 µs (MiMo) and 948 vs 973 µs (GPT-OSS-like)
+        # over one masked loop, the same in runs 2 and 3.
+        cfg = dict(block_n=16, num_warps=4, num_stages=3, split_loops=True,
                    maxnreg=80 if p.block_d <= 64 else None)
     else:
         rows, cfg = 128, dict(block_n=64 if p.block_d <= 64 else 32, num_warps=8, num_stages=2)
@@ -613,6 +681,7 @@ def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, si
         IS_CAUSAL=p.is_causal, HAS_WQ=p.window_q > 0, HAS_WK=p.window_k > 0,
         SINK_MODE=p.sink_mode, DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
         SPLIT_LOOPS=cfg.split_loops, BAND_N1=cfg.band_n1, BAND_N2=cfg.band_n2,
+        BAND_EARLY_V=cfg.band_early_v, LAZY_TAU=float(cfg.lazy_tau),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _INTERPRETING else {}),
     )
