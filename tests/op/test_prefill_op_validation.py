@@ -97,3 +97,17 @@ def test_cache_of_checked_calls_does_not_hide_errors():
         call(max_input_len=-3)
     with pytest.raises(ValueError, match="sinks must have one value per query head"):
         call(sinks=torch.randn(HQ + 2, device=DEVICE))
+
+
+def test_max_input_len_may_be_a_tensor_on_another_device():
+    # Never read (no host sync), so its device does not matter: MiMo passes a host tensor beside GPU q.
+    # Under the interpreter everything is on the CPU, so the meta device stands in for "another one".
+    outs = []
+    for max_input_len in (7, torch.tensor(7, dtype=torch.int64, device="meta")):
+        kwargs = good(max_input_len=max_input_len)
+        pos = [kwargs.pop(n) for n in ("q", "k", "v", "o", "b_start_loc", "b_seq_len", "max_input_len")]
+        pos[3].fill_(float("nan"))
+        context_attention_fwd(*pos, **kwargs)
+        outs.append(pos[3])
+    assert not outs[0].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

@@ -640,8 +640,8 @@ def _validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, soft
                ("b_seq_len", b_seq_len)]
     if sinks is not None:
         tensors.append(("sinks", sinks))
-    if isinstance(max_input_len, torch.Tensor):
-        tensors.append(("max_input_len", max_input_len))
+    # max_input_len is never read, so it may live anywhere: MiMo's vision tower passes a host tensor
+    # (its grid sizes stay on the CPU) while q is on the GPU, and upstream's op accepts that.
     device = q.device
     for name, t in tensors:
         if t.device != device:
