@@ -1,6 +1,6 @@
 """Hook modules for registry tests: each behaves like one kind of real patch."""
 
-from vllm_sinks.patches.registry import Drift, Probe
+from vllm_sinks.patches.registry import Drift, NotApplicable, Probe
 
 CALLS: list[str] = []
 
@@ -27,6 +27,10 @@ def probe_stands_down(info):
 
 def probe_drift(info):
     raise Drift("Target.fn() lost its 'sinks' parameter")
+
+
+def probe_not_importable(info):
+    raise NotApplicable("vllm.x does not import here (ModuleNotFoundError: No module named 'y')")
 
 
 def apply_replace(info):

@@ -126,6 +126,14 @@ def test_drift_is_refused_with_clear_message(monkeypatch):
     assert fake_patches.Target.fn() == "upstream"
 
 
+def test_target_that_cannot_import_is_not_applicable(monkeypatch):
+    _use(monkeypatch, _patch("fake", "probe_not_importable"))
+    (result,) = registry.apply_all()
+    assert result.status is Status.NOT_APPLICABLE
+    assert "does not import here" in result.detail
+    assert fake_patches.CALLS == [] and fake_patches.Target.fn() == "upstream"
+
+
 def test_unexpected_error_is_reported_not_raised(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_applies", apply="apply_boom"))
     (result,) = registry.apply_all()

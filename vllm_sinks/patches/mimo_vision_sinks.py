@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from vllm_sinks.model_executor.models import mimo_v2_omni as fork
 from vllm_sinks.patches import install
-from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
+from vllm_sinks.patches.registry import Drift, NotApplicable, Probe, VllmInfo
 
 PATCH_NAME = "mimo-vision-sinks"
 MODEL_MODULE = "vllm.model_executor.models.mimo_v2_omni"
@@ -151,7 +151,7 @@ def probe(info: VllmInfo) -> Probe:
     try:
         path, facts = _classify(_target_class())
     except _ModelUnavailable as e:
-        return Probe(False, f"{e}; vLLM cannot load MiMo-V2-Omni here either")
+        raise NotApplicable(f"{e}; vLLM cannot load MiMo-V2-Omni here either") from e
     if path == DROPS_SINKS:
         return Probe(True, "upstream window attention drops the vision sinks")
     problems = []

@@ -7,7 +7,8 @@ module with two hooks::
     def apply(info: VllmInfo) -> str | None # edit vLLM in place; return a detail for the report line
 
 ``probe`` answers "apply" or "stand down (upstream already right)", or raises :class:`Drift` when the
-upstream target no longer looks like what the patch was written against. ``apply`` may raise
+upstream target no longer looks like what the patch was written against, or :class:`NotApplicable`
+when the target cannot be imported here at all. ``apply`` may raise
 :class:`Drift` too. Nothing here imports vLLM at module import time.
 """
 
@@ -39,9 +40,15 @@ class Drift(RuntimeError):
     """The upstream target does not look as the patch expects (renamed, new signature, ...)."""
 
 
+class NotApplicable(RuntimeError):
+    """The upstream target cannot even be imported here (a missing optional dependency), so vLLM
+    cannot run that code path in this environment either: nothing to patch, and nothing wrong."""
+
+
 class Status(str, enum.Enum):
     APPLIED = "applied"
     STOOD_DOWN = "stood down"
+    NOT_APPLICABLE = "not applicable"
     DISABLED = "disabled"
     REFUSED = "refused"
     FAILED = "failed"
@@ -173,6 +180,8 @@ class Patch:
             detail = self._hook("apply")(info) or ""
         except Drift as e:
             return Result(self.name, Status.REFUSED, f"upstream drift: {e}")
+        except NotApplicable as e:
+            return Result(self.name, Status.NOT_APPLICABLE, str(e))
         except Exception as e:  # noqa: BLE001 - a plugin must not take vLLM down; the report says why
             logger.exception("vllm-sinks: patch %s failed", self.name)
             return Result(self.name, Status.FAILED, f"{type(e).__name__}: {e}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, apply_all, detect_vllm
+from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Status, apply_all, detect_vllm
 
 
 def format_report() -> str:
@@ -22,7 +22,8 @@ def format_report() -> str:
     ]
     width = max(len(p.name) for p in PATCHES)
     env_width = max(len(p.env_var) for p in PATCHES)
+    status_width = max(len(s.value) for s in Status)
     for patch, result in zip(PATCHES, results):
-        lines.append(f"{patch.name:<{width}}  {result.status.value:<10}  {patch.env_var:<{env_width}}"
+        lines.append(f"{patch.name:<{width}}  {result.status.value:<{status_width}}  {patch.env_var:<{env_width}}"
                      f"  {result.detail}")
     return "\n".join(lines)
