@@ -67,7 +67,7 @@ PATCHES: tuple[Patch, ...] = (
             "vLLM 0.27-0.29's Transformers backend drops the learnable sink every s_aux family hands the "
             "attention interface (GPT-OSS, Granite(MoE) SWA, MiMo-V2-Flash, DeepSeek V4, HY V4): "
             "`Attention` is built without `sinks=`, so every softmax is wrong, silently (tiny GPT-OSS "
-            "fp32: mean |Δ prompt logprob| vs HF 0.33 without the patch, 2e-4 with it). Its attention "
+            "fp32: mean |Δ prompt logprob| vs HF 0.43 without the patch, 3e-4 with it). Its attention "
             "layers sit in a plain dict, so `process_weights_after_loading` (FlashInfer's fp32 sinks) "
             "never runs for them; 0.28-0.29 registered MLA layers only."
         ),
