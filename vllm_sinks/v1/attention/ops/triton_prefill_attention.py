@@ -79,6 +79,20 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _mask_invisible(qk, pos_q, pos_k, seq_len, window_q, window_k, IS_CAUSAL: tl.constexpr,
+                    HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr):
+    """-inf where key ``pos_k`` is invisible to query ``pos_q`` (past the sequence, causal, window)."""
+    visible = (pos_k < seq_len)[None, :]
+    if IS_CAUSAL:
+        visible = visible & (pos_k[None, :] <= pos_q[:, None])
+    if HAS_WQ:
+        visible = visible & (pos_q[:, None] - pos_k[None, :] <= window_q)
+    if HAS_WK:
+        visible = visible & (pos_k[None, :] - pos_q[:, None] <= window_k)
+    return tl.where(visible, qk, float("-inf"))
+
+
+@triton.jit
 def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q,
                        seq_len, key_lo, first_block, end_block, qk_scale, window_q, window_k,
                        MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr,
@@ -113,14 +127,8 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
-            visible = (pos_k < seq_len)[None, :]
-            if IS_CAUSAL:
-                visible = visible & (pos_k[None, :] <= pos_q[:, None])
-            if HAS_WQ:
-                visible = visible & (pos_q[:, None] - pos_k[None, :] <= window_q)
-            if HAS_WK:
-                visible = visible & (pos_k[None, :] - pos_q[:, None] <= window_k)
-            qk = tl.where(visible, qk, float("-inf"))
+            qk = _mask_invisible(qk, pos_q, pos_k, seq_len, window_q, window_k, IS_CAUSAL, HAS_WQ,
+                                 HAS_WK)
         # qk_scale > 0 (checked by the launcher), so max(qk) * scale is the max of the scaled logits
         # and qk * scale - m below is one FMA per element.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -183,14 +191,7 @@ def _band_chunk_scores(q, k_base, stride_kt, offs_d, pos_q, seq_len, key_lo, win
     off = pos_k.to(tl.int64)[:, None]
     k = tl.load(k_base + off * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    visible = (pos_k < seq_len)[None, :]
-    if IS_CAUSAL:
-        visible = visible & (pos_k[None, :] <= pos_q[:, None])
-    if HAS_WQ:
-        visible = visible & (pos_q[:, None] - pos_k[None, :] <= window_q)
-    if HAS_WK:
-        visible = visible & (pos_k[None, :] - pos_q[:, None] <= window_k)
-    return tl.where(visible, qk, float("-inf"))
+    return _mask_invisible(qk, pos_q, pos_k, seq_len, window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK)
 
 
 @triton.jit
