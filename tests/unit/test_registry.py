@@ -1,3 +1,4 @@
+import contextlib
 import logging
 import types
 
@@ -38,6 +39,19 @@ def fresh(monkeypatch):
     registry._reset_for_tests()
 
 
+@contextlib.contextmanager
+def _log_records():
+    """Every record our logger emits inside the block (it does not propagate to pytest's caplog)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    registry.logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        registry.logger.removeHandler(handler)
+
+
 def _use(monkeypatch, *entries, version="0.29.0"):
     monkeypatch.setattr(patches_pkg, "PATCHES", entries)
     monkeypatch.setattr(registry, "detect_vllm", lambda: _info(version))
@@ -67,15 +81,9 @@ def test_install_is_idempotent_and_keeps_original():
 
 def test_one_info_line_per_process(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_applies"), _patch("other", "probe_stands_down"))
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    registry.logger.addHandler(handler)
-    try:
+    with _log_records() as records:
         vllm_sinks.register()
         vllm_sinks.register()
-    finally:
-        registry.logger.removeHandler(handler)
     lines = [r.getMessage() for r in records if r.levelno == logging.INFO]
     assert len(lines) == 1
     assert "fake applied (replaced Target.fn)" in lines[0]
@@ -144,14 +152,8 @@ def test_unexpected_error_is_reported_not_raised(monkeypatch):
 @pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.33.1", "0.40.0"])
 def test_unsupported_version_warns_and_patches_nothing(monkeypatch, version):
     _use(monkeypatch, _patch("fake", "probe_applies"), version=version)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    registry.logger.addHandler(handler)
-    try:
+    with _log_records() as records:
         results = vllm_sinks.register()
-    finally:
-        registry.logger.removeHandler(handler)
     assert [r.status for r in results] == [Status.SKIPPED]
     assert fake_patches.CALLS == [] and fake_patches.Target.fn() == "upstream"
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
