@@ -6,7 +6,9 @@
 Everything in one run, on one GPU, bf16 inputs, random normal q/k/v, sinks ~ N(0, 2²):
 
 - ours: ``vllm_sinks...triton_prefill_attention.context_attention_fwd`` as vLLM calls it (launcher
-  included), ``triton.testing.do_bench`` median (L2 flushed before every call);
+  included; ``max_input_len`` a CPU tensor, as MiMo passes it), ``triton.testing.do_bench`` median
+  (L2 flushed before every call); "device max_len": the same with ``max_input_len`` on the GPU, where
+  the kernel finds each program's sequence by an on-device search instead of the grid;
 - flex: ``torch.compile(flex_attention)`` with a block mask (same sequence, inside the window / causal)
   and, for the key-0 bias, a score_mod adding ``sinks[h]`` where the key is its sequence's first
   token; for the null logit, the output is rescaled by ``sigmoid(lse - sinks[h])`` (same math);
@@ -47,7 +49,6 @@ from vllm_sinks.v1.attention.ops.triton_prefill_attention import (  # noqa: E402
     choose_config,
     context_attention_fwd,
     launch,
-    whole_band_config,
 )
 
 # vLLM 0.33.0's op on the H200, µs (op-baselines notes, 2026-11-30): not re-measured in this run.
@@ -236,13 +237,18 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
     row = dict(case=c.name, tokens=c.tokens, heads=f"{c.q_heads}/{c.kv_heads}", mode=c.sink_mode,
                window=f"{'causal ' if c.is_causal else ''}{c.window_q}/{c.window_k}")
     o = torch.empty_like(q)
-    mil = torch.tensor(c.seq_len, device=device)  # as MiMo passes it: a device tensor
+    # As MiMo's vision tower passes it: a CPU tensor (its grid sizes stay on the host); vLLM's
+    # triton backend passes an int. Both size the grid. A device tensor makes the kernel search.
+    mil = torch.tensor(c.seq_len)
+    mil_device = mil.to(device)
 
     def ours():
         context_attention_fwd(q, k, v, o, starts, lens, mil, **kwargs)
 
     ours()
     row["ours_us"] = _bench(ours)
+    row["ours_search_us"] = _bench(
+        lambda: context_attention_fwd(q, k, v, o, starts, lens, mil_device, **kwargs))
     row["ours_err"] = relative_l2(o, ref)
     row["ours_no_sinks_err"] = relative_l2(_ours_without_sinks(c, q, k, v, starts, lens, mil), ref)
     row["torch_bf16_err"] = relative_l2(same_dtype_torch_attention(q, k, v, starts, lens, **kwargs), ref)
@@ -261,7 +267,8 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
     row["config"] = dataclasses.asdict(choose_config(p))
     if tuned is not None and tuned != choose_config(p):
         row["tuned_config"] = dataclasses.asdict(tuned)
-        row["ours_tuned_us"] = _bench(lambda: launch(p, tuned, q, k, v, o, starts, lens, sinks))
+        row["ours_tuned_us"] = _bench(
+            lambda: launch(p, tuned, q, k, v, o, starts, lens, sinks, c.seq_len))
         row["ours_tuned_err"] = relative_l2(o, ref)
     row["floor_us"] = floor_us(c, bandwidth)
     row["upstream_notes_us"] = UPSTREAM_NOTES_US.get(c.name)
@@ -299,16 +306,18 @@ def _fmt(x, spec="{:.1f}"):
 def markdown(rows, bandwidth, device_name) -> str:
     out = [f"Device: {device_name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); bf16; "
            "µs = do_bench median (L2 flushed); err = relative L2 vs the fp32 reference.", "",
-           "| case | tokens | heads q/kv | sinks | window | ours | ours (graph) | ours (tuned) | flex "
+           "| case | tokens | heads q/kv | sinks | window | ours | ours (graph) | ours (device "
+           "max_len) | ours (tuned) | flex "
            "| sdpa | floor | ours/floor | flex/ours | upstream (notes) / ours | err ours "
            "| err torch bf16 | err flex | err ours without sinks |",
-           "|---" * 18 + "|"]
+           "|---" * 19 + "|"]
     for r in rows:
         flex, ours = r.get("flex_us"), r["ours_us"]
         up = r.get("upstream_notes_us")
         out.append(
             f"| {r['case']} | {r['tokens']:,} | {r['heads']} | {r['mode']} | {r['window']} "
-            f"| {ours:.1f} | {r['ours_graph_us']:.1f} | {_fmt(r.get('ours_tuned_us'))} "
+            f"| {ours:.1f} | {r['ours_graph_us']:.1f} | {r['ours_search_us']:.1f} "
+            f"| {_fmt(r.get('ours_tuned_us'))} "
             f"| {_fmt(flex)} | {_fmt(r.get('sdpa_us'))} "
             f"| {r['floor_us']:.1f} | {ours / r['floor_us']:.2f} "
             f"| {_fmt(flex / ours if flex else None, '{:.1f}×')} "
@@ -321,33 +330,28 @@ def markdown(rows, bandwidth, device_name) -> str:
 # ---- tile-shape sweep ----------------------------------------------------------------------------
 
 def _sweep(p, group: int) -> list[LaunchConfig]:
-    """Tile shapes to time beside the default, most promising first (see the kernel log)."""
+    """Tile shapes to time beside the default, most telling first (see the kernel log).
+
+    Loop layouts (one pipelined loop masking its edge blocks, masked edges in their own loops, one
+    loop masking every block), keys per step (16: more per-step overhead, less band waste; 32: fewer
+    instructions per key, more registers), register caps (programs per SM), pipeline depth, and
+    128-row tiles (K/V read half as often).
+    """
     gp = group & -group
     C = LaunchConfig
-    shapes = [
-        C(64 // gp, gp, 16, 4, 3, False, 80), C(64 // gp, gp, 16, 4, 3, False),
-        C(64 // gp, gp, 32, 4, 3, False, 96), C(64 // gp, gp, 32, 4, 3, False),
-        C(64 // gp, gp, 32, 4, 2, False), C(128 // gp, gp, 32, 8, 3, False),
-        C(64 // gp, gp, 32, 4, 2, True), C(64 // gp, gp, 16, 4, 4, False, 80),
-        C(64 // gp, gp, 16, 4, 3, True, 80), C(64 // gp, gp, 64, 4, 2, False),
-        C(128 // gp, gp, 16, 8, 3, False, 80), C(64 // gp, gp, 16, 4, 2, False, 72),
-    ]
-    # Whole-band softmax (no key loop) for windows, V loaded late or with K, with and without a
-    # register cap (run 3: 8 warps and 32 / 128 rows were 1.3-2x slower than 64 rows at 4 warps).
-    whole = [whole_band_config(p, 4, reg, early) for reg in (None, 168, 128) for early in (False, True)]
-    whole = [w for w in whole if w is not None]
-    # Conditional rescaling in the key loop (FlashAttention-4): the rescale skipped unless a row max
-    # grows by more than 2^8.
-    lazy = [C(64 // gp, gp, 16, 4, 3, True, 80, lazy_tau=8.0), C(64 // gp, gp, 16, 4, 3, False, 80, lazy_tau=8.0)]
-    whole = lazy + whole
-    return whole + [s for s in shapes if s.block_t >= 1]
+    t64, t128 = 64 // gp, 128 // gp
+    n16 = [C(t64, gp, 16, 4, 3, layout, 80) for layout in ("edges", "split", "one")]
+    n16 += [C(t64, gp, 16, 4, st, "edges", 80) for st in (2, 4)] + [C(t64, gp, 16, 4, 3, "edges", 72)]
+    n32 = [C(t64, gp, 32, 4, 3, layout, 112) for layout in ("edges", "one")]
+    rows = [C(t128, gp, 16, 8, 3, "edges", 80)]
+    return [s for s in n16 + n32 + rows if s.block_t >= 1]
 
 
-def _time_config(p, cfg, q, k, v, o, starts, lens, sinks, ref):
+def _time_config(p, cfg, q, k, v, o, starts, lens, sinks, ref, hint):
     def fn():
-        launch(p, cfg, q, k, v, o, starts, lens, sinks)
+        launch(p, cfg, q, k, v, o, starts, lens, sinks, hint)
 
-    kernel = launch(p, cfg, q, k, v, o, starts, lens, sinks)
+    kernel = launch(p, cfg, q, k, v, o, starts, lens, sinks, hint)
     regs = (getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None))
     return _bench(fn), relative_l2(o, ref), regs
 
@@ -365,16 +369,19 @@ def tune(cases, args) -> list[dict]:
         default = choose_config(p)
         t0 = time.time()
         mine = []
-        todo = [default] + [x for x in _sweep(p, c.q_heads // c.kv_heads) if x != default]
+        # (shape, host bound on the longest sequence): the default also with the on-device search.
+        todo = [(default, c.seq_len), (default, None)] + [
+            (x, c.seq_len) for x in _sweep(p, c.q_heads // c.kv_heads) if x != default]
         while todo:
-            cfg = todo.pop(0)
+            cfg, hint = todo.pop(0)
             if time.time() - t0 > args.tune_seconds:
                 print(f"  ({c.name}: stopped at the {args.tune_seconds} s budget)")
                 break
             try:
-                us, err, regs = _time_config(p, cfg, q, k, v, o, starts, lens, sinks, ref)
+                us, err, regs = _time_config(p, cfg, q, k, v, o, starts, lens, sinks, ref, hint)
                 r = dict(case=c.name, config=dataclasses.asdict(cfg), us=us, err=err,
-                         regs_spills=regs, default=(cfg == default))
+                         regs_spills=regs, default=(cfg == default and hint is not None),
+                         sequence="grid" if hint is not None else "search")
             except Exception as e:  # noqa: BLE001 - out of resources etc.: skip that shape
                 r = dict(case=c.name, config=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {str(e)[:120]}")
             results.append(r)
@@ -382,8 +389,9 @@ def tune(cases, args) -> list[dict]:
         best = sorted((r for r in mine if "us" in r), key=lambda r: r["us"])
         dflt = next((r["us"] for r in mine if r.get("default")), float("nan"))
         print(f"\n{c.name}: {len(mine)} shapes in {time.time() - t0:.0f} s; default {dflt:.1f} µs; best:")
-        for r in best[:12]:
-            print(f"  {r['us']:8.1f} µs err {r['err']:.2e} regs/spills {r['regs_spills']} {r['config']}")
+        for r in best[:24]:
+            print(f"  {r['us']:8.1f} µs err {r['err']:.2e} regs/spills {r['regs_spills']} "
+                  f"{r['sequence']} {r['config']}")
         del q, k, v, o
         torch.cuda.empty_cache()
     return results
@@ -412,7 +420,8 @@ def main(argv=None):
         results = tune([c for c in cases if c.name in wanted], args)
         with open(os.path.join(args.out, "prefill_attention_tune.json"), "w") as f:
             json.dump(results, f, indent=1)
-        for r in sorted((r for r in results if "us" in r), key=lambda r: -r["us"]):
+        for r in sorted((r for r in results if "us" in r and r["sequence"] == "grid"),
+                        key=lambda r: -r["us"]):
             best[r["case"]] = LaunchConfig(**r["config"])  # fastest last, so it wins
         if not args.table:
             return

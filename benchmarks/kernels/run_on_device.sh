@@ -6,6 +6,7 @@
 #   bash benchmarks/kernels/run_on_device.sh tune       # GPU tests + tile-shape sweep + table
 #   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only
 #   bash benchmarks/kernels/run_on_device.sh bench      # table only
+#   bash benchmarks/kernels/run_on_device.sh profile    # ncu of the default shape + code dump + sweep
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/device}
@@ -15,6 +16,32 @@ what=${1:-all}
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$out/gpu.txt"
+
+if [ "$what" = profile ]; then
+  # Nsight Compute on one launch of the default shape (stall reasons per SASS line), its code, and a
+  # sweep of the MiMo case. PROFILE_CONFIGS: more LaunchConfig JSON overrides to profile, one per line.
+  t0=$(date +%s)
+  prof=benchmarks/kernels/profile_prefill_attention.py
+  python3 "$prof" --dump "$out/code" 2>&1 | tail -n 3
+  cuobjdump -sass "$out/code/kernel.cubin" > "$out/code/kernel.sass" 2>&1
+  i=0
+  printf '%s\n' '' "${PROFILE_CONFIGS:-}" | while IFS= read -r cfg; do
+    [ $i -gt 0 ] && [ -z "$cfg" ] && continue
+    name=prof$i; i=$((i + 1))
+    ncu --clock-control none -k regex:_prefill_attention_kernel --launch-skip 2 --launch-count 1 \
+      --set full -f -o "$out/$name" python3 "$prof" ${cfg:+--config "$cfg"} > "$out/$name.log" 2>&1
+    tail -n 3 "$out/$name.log"
+    ncu --import "$out/$name.ncu-rep" --page details > "$out/$name-details.txt" 2>&1
+    ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/$name-sass.csv" 2>&1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" "$out/$name-details.txt" | head -n 20
+  done
+  echo "profile: $(( $(date +%s) - t0 )) s"
+  t0=$(date +%s)
+  python3 benchmarks/kernels/benchmark_prefill_attention.py --tune --tune-cases "${TUNE_CASES:-mimo 4x16384}" \
+    --tune-seconds "${TUNE_SECONDS:-150}" --out "$out" 2>&1 | tee "$out/tune.log" | grep -v -i warn | tail -n 30
+  echo "sweep: $(( $(date +%s) - t0 )) s"
+  exit 0
+fi
 
 if [ "$what" != bench ]; then
   t0=$(date +%s)

@@ -44,13 +44,23 @@ def _packed(lens, hq, hkv, d, dtype, gaps=0, seed=0, sink_std=2.0):
     return q, k, v, sinks, b_start, b_len
 
 
-def _check(q, k, v, b_start, b_len, kwargs, out_buf=None):
+# max_input_len as the callers pass it: an int (vLLM's triton backend) or a CPU tensor (MiMo) size
+# the grid; a device tensor makes each program search its sequence on the device.
+MAX_LEN_KINDS = ("int", "cpu-tensor", "device-tensor", "stale-int")
+
+
+def _max_len(b_len, kind):
+    n = int(b_len.max()) if b_len.numel() else 0
+    return {"int": n, "cpu-tensor": torch.tensor(n), "device-tensor": torch.tensor(n, device=DEVICE),
+            "stale-int": min(n, 64)}[kind]
+
+
+def _check(q, k, v, b_start, b_len, kwargs, out_buf=None, max_len_kind="int"):
     tokens = q.shape[0]
     buf = torch.full((tokens + 2, q.shape[1] + 1, q.shape[2] + 1), float("nan"), dtype=q.dtype,
                      device=DEVICE) if out_buf is None else out_buf
     o = buf[:tokens, :q.shape[1], :q.shape[2]]
-    max_len = torch.tensor(int(b_len.max()) if b_len.numel() else 0, device=DEVICE)
-    context_attention_fwd(q, k, v, o, b_start, b_len, max_len, **kwargs)
+    context_attention_fwd(q, k, v, o, b_start, b_len, _max_len(b_len, max_len_kind), **kwargs)
     rows = covered_rows(b_start, b_len, tokens)
     assert torch.isfinite(o[rows]).all(), "sequence rows not fully written"
     spare = buf.clone()
@@ -73,15 +83,16 @@ PATTERNS = {
 HEADS = {"mha": (8, 8), "gqa4": (32, 8), "gqa8": (64, 8), "mqa": (16, 1)}
 
 
+@pytest.mark.parametrize("max_len_kind", ["int", "device-tensor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("sink_mode", ["key0", "null", "none"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_modes_and_patterns(dtype, sink_mode, pattern):
+def test_modes_and_patterns(dtype, sink_mode, pattern, max_len_kind):
     lens = [700, 1, 0, 300, 129]
     q, k, v, sinks, b_start, b_len = _packed(lens, 32, 8, 64, dtype, gaps=3)
     kwargs = dict(PATTERNS[pattern], sinks=None if sink_mode == "none" else sinks,
                   sinks_bias_key0=sink_mode == "key0")
-    _check(q, k, v, b_start, b_len, kwargs)
+    _check(q, k, v, b_start, b_len, kwargs, max_len_kind=max_len_kind)
 
 
 @pytest.mark.parametrize("heads", list(HEADS))
@@ -104,13 +115,16 @@ def test_mimo_shape_and_dropped_sinks_fail(sink_mode):
     assert relative_l2(o2, ref) > 4 * 2.0 * base  # 4x the tolerance (run 1: 0.044 vs 0.0081)
 
 
-def test_no_host_sync_and_cuda_graph_replay():
-    """A call never syncs with the host, so it captures in a CUDA graph; replays track new inputs."""
+@pytest.mark.parametrize("max_len_kind", MAX_LEN_KINDS)
+def test_no_host_sync_and_cuda_graph_replay(max_len_kind):
+    """A call never syncs with the host, so it captures in a CUDA graph; replays track new inputs
+    and new lengths. "stale-int" sizes the grid for 64-token sequences: the one extra slot per
+    sequence must then take every tile past the first 64 tokens, in capture and in replay."""
     lens = [1500, 37, 900]
     q, k, v, sinks, b_start, b_len = _packed(lens, 32, 8, 64, torch.bfloat16, seed=3)
     kwargs = dict(PATTERNS["mimo-window"], sinks=sinks, sinks_bias_key0=True)
     o = torch.empty_like(q)
-    max_len = torch.tensor(max(lens), device=DEVICE)
+    max_len = _max_len(b_len, max_len_kind)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -5,6 +5,7 @@ On a CPU these run through Triton's interpreter (bf16 is not trustworthy there: 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
     same_dtype_torch_error,
 )
 from vllm_sinks.v1.attention.ops.triton_prefill_attention import (
+    LOOP_LAYOUTS,
     LaunchConfig,
     _validate,
     context_attention_fwd,
@@ -244,15 +246,37 @@ TILE_CASES = [
 ]
 
 
+# How the launch finds each program's sequence: from the grid, sized by a host bound that is exact,
+# too small (the extra slot per sequence must take the missing tiles) or too large; or by the
+# on-device search (a device tensor, here one on the meta device, is never read).
+HINTS = {"exact": 70, "too-small": 1, "too-large": 1000, "search": None}
+
+
+@pytest.mark.parametrize("layout", LOOP_LAYOUTS)
 @pytest.mark.parametrize("cfg,win", TILE_CASES, ids=["t16-sym", "t8g2-causal-w", "t4g4-asym", "t32g2-causal"])
-def test_tile_shapes_against_reference(cfg, win):
+def test_tile_shapes_against_reference(cfg, win, layout):
     case = make_case([70, 7, 0, 41], 8, 2, 32, torch.float32, gaps=1, sink_mode="key0",
                      generator=_gen(21), **win)
     p = _validate(case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, 100,
                   softmax_scale=None, sliding_window_q=win["window_q"],
                   sliding_window_k=win["window_k"], is_causal=win["is_causal"], sinks=case.sinks,
                   sinks_bias_key0=True)
-    launch(p, cfg, case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, case.sinks)
+    cfg = dataclasses.replace(cfg, loop_layout=layout)
+    for hint in HINTS.values():
+        case.o.fill_(float("nan"))
+        launch(p, cfg, case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, case.sinks,
+               hint)
+        check_writes(case)
+        check_tolerance(case)
+
+
+@pytest.mark.parametrize("hint", [torch.tensor(41), torch.tensor([3], dtype=torch.int32),
+                                  torch.tensor(70, device="meta"), 0, 5])
+def test_any_max_input_len_gives_the_same_output(hint):
+    """The public call with host bounds right or wrong, and a device tensor (the search path)."""
+    case = make_case([70, 7, 0, 41], 4, 2, 32, torch.float32, gaps=2, sink_mode="null",
+                     is_causal=True, window_q=9, window_k=0, generator=_gen(5))
+    context_attention_fwd(*case.call_args(), hint, **case.op_kwargs())
     check_writes(case)
     check_tolerance(case)
 

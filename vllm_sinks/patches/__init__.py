@@ -35,7 +35,8 @@ PATCHES: tuple[Patch, ...] = (
         how=(
             "Rebinds the op module's `context_attention_fwd` and the name the triton backend imported "
             "at load time to our Triton op (same signature and semantics, both sink modes, windows, "
-            "GQA packed per KV head, band-limited key loop, grid from shapes only). The probe reads "
+            "GQA packed per KV head, band-limited key loop, grid sized by `max_input_len` where it is on "
+            "the host and an on-device sequence search where it is not: never a host sync). The probe reads "
             "the upstream signature: without `sinks_bias_key0` ours is the fix, with it a speed patch; "
             "an unknown parameter is drift. `prefix_prefill.context_attention_fwd` (paged KV, another "
             "function) is not touched."

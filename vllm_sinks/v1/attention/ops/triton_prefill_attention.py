@@ -32,10 +32,11 @@ softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None, si
 
   Both match vLLM ≥ 0.28 (``sinks_bias_key0`` arrived with vLLM PR #49815); vLLM 0.27 has only the
   null logit.
-- ``max_input_len`` (an int or a 0-d integer tensor, as MiMo passes it) is accepted for compatibility
-  and never read: the launch grid comes from tensor shapes alone (an upper bound on the query tiles
-  of all sequences; each program finds its sequence on the device), so a call costs no device→host
-  sync and can be captured in a CUDA graph.
+- ``max_input_len`` (an int, or a one-element integer tensor as MiMo passes it) is only a hint and
+  is never read from the device: an int or a CPU tensor sizes the launch grid (programs take their
+  sequence from the grid; a bound that is too small costs time, never output), while a device
+  tensor is ignored and each program finds its sequence and tile on the device. Either way a call
+  costs no device→host sync and can be captured in a CUDA graph.
 - fp16, bf16 and fp32 inputs (fp32 dots run in IEEE fp32, not tf32); head dims 1–256, powers of two
   or not (72, 80, 96, ...).
 
@@ -50,12 +51,10 @@ Design (H200, MiMo's 32/8 heads, D 64, window 64 is the case that sets the shape
   for the GP heads and the MMAs stay 64–128 rows tall even when BLOCK_T is small.
 - A small BLOCK_T keeps the band of keys a tile must visit (``BLOCK_T + wq + wk``) close to the
   ``wq + wk + 1`` each query needs; the key loop starts exactly at the first needed key.
-- The key loop is split into masked edge blocks and mask-free interior blocks; a band (window) runs
-  16-key steps with a register cap, for more programs in flight per SM (it is latency-bound:
-  docs/notes/prefill-kernel-log.md).
-- A whole-band softmax path (no key loop: the band's scores in two dots, exact row max, no online
-  rescaling) exists for windows (``whole_band_config``) but is not the default: it measured slower
-  on the H200 (register pressure: 2 programs per SM instead of 6; kernel log, run 3).
+- A tile's key band is one software-pipelined loop; only its edge blocks (the first and last, for a
+  window) apply the visibility mask, behind a tile-uniform branch. Banded shapes run 16-key steps
+  with a register cap for 6 programs per SM. The kernel is issue-bound there (Nsight Compute), so
+  per-tile instructions are what the layout minimises: docs/notes/prefill-kernel-log.md.
 - Key 0 under ``sinks_bias_key0`` is folded into the initial softmax state (like the null logit is),
   so no block of the loop carries the bias.
 """
@@ -79,34 +78,50 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _mask_invisible(qk, pos_q, pos_k, seq_len, window_q, window_k, IS_CAUSAL: tl.constexpr,
-                    HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr):
-    """-inf where key ``pos_k`` is invisible to query ``pos_q`` (past the sequence, causal, window)."""
-    visible = (pos_k < seq_len)[None, :]
-    if IS_CAUSAL:
-        visible = visible & (pos_k[None, :] <= pos_q[:, None])
+def _visible_range(pos_q, seq_len, window_q, window_k, IS_CAUSAL: tl.constexpr,
+                   HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr):
+    """Per query row, the keys it sees: ``row_lo <= j <= row_hi`` (window, causal, sequence end).
+
+    Computed once per tile, so masking a key block costs two compares and a select per score
+    (the per-block form, one subtraction, compare and select per condition, was ~70 instructions
+    per warp for a 64 × 16 block: SASS, run 5).
+    """
+    row_lo = pos_q * 0
+    row_hi = pos_q * 0 + seq_len - 1
     if HAS_WQ:
-        visible = visible & (pos_q[:, None] - pos_k[None, :] <= window_q)
+        row_lo = pos_q - window_q
+    if IS_CAUSAL:
+        row_hi = tl.minimum(row_hi, pos_q)
     if HAS_WK:
-        visible = visible & (pos_k[None, :] - pos_q[:, None] <= window_k)
-    return tl.where(visible, qk, float("-inf"))
+        row_hi = tl.minimum(row_hi, pos_q + window_k)
+    return row_lo, row_hi
 
 
 @triton.jit
-def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q,
-                       seq_len, key_lo, first_block, end_block, qk_scale, window_q, window_k,
-                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr,
-                       HAS_WK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       LAZY_TAU: tl.constexpr = 0.0):
+def _mask_invisible(qk, pos_k, row_lo, row_hi):
+    """-inf where key ``pos_k`` is outside its row's visible range."""
+    visible = (pos_k[None, :] >= row_lo[:, None]) & (pos_k[None, :] <= row_hi[:, None])
+    return tl.where(visible, qk, float("-inf"))
+
+
+# How a key loop treats the visibility mask (constexpr MASK of _attend_key_blocks).
+_MASK_NONE, _MASK_ALL, _MASK_EDGES = 0, 1, 2
+# Loop layouts of a tile's key band (LaunchConfig.loop_layout).
+LOOP_LAYOUTS = ("edges", "split", "one")
+
+
+@triton.jit
+def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo,
+                       row_hi, seq_len, key_lo, first_block, end_block, first_full, end_full,
+                       qk_scale, MASK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax over key blocks ``first_block … end_block - 1`` starting at key ``key_lo``.
 
-    MASKED blocks straddle a band edge (or the sequence end) and apply the visibility mask; the others
-    are visible to every valid row of the tile and skip it. Positions are relative to the sequence.
-    LAZY_TAU > 0 (FlashAttention-4's conditional rescaling): the reference max ``m_i`` only moves,
-    with the accumulator rescale, when some row's block max exceeds it by more than LAZY_TAU (log2
-    units); otherwise the block is exponentiated against the stale max (p ≤ 2^LAZY_TAU, exact after
-    the final division) and the rescale of acc and l is skipped for the whole tile.
+    Blocks ``first_full … end_full - 1`` are visible to every valid row of the tile; the others
+    straddle a band edge (or the sequence end) and need the visibility mask. MASK says which blocks
+    of this loop apply it: none (a mask-free middle loop), all, or only the edge blocks, tested per
+    block with a tile-uniform branch (one loop for the whole band: no extra loop prologues, and the
+    mask arithmetic runs only where it can change something). Positions are relative to the sequence.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -115,7 +130,7 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
     v_ptrs = v_base + first_key[:, None] * stride_vt + offs_d[None, :]
     for blk in range(first_block, end_block):
         pos_k = key_lo + blk * BLOCK_N + offs_n
-        if MASKED:
+        if MASK != 0:
             kv_ok = (pos_k < seq_len)[:, None]
             if not EVEN_D:
                 kv_ok = kv_ok & d_ok[None, :]
@@ -126,124 +141,32 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
             k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED:
-            qk = _mask_invisible(qk, pos_q, pos_k, seq_len, window_q, window_k, IS_CAUSAL, HAS_WQ,
-                                 HAS_WK)
+        if MASK == 1:
+            qk = _mask_invisible(qk, pos_k, row_lo, row_hi)
+        elif MASK == 2:
+            if (blk < first_full) | (blk >= end_full):
+                qk = _mask_invisible(qk, pos_k, row_lo, row_hi)
         # qk_scale > 0 (checked by the launcher), so max(qk) * scale is the max of the scaled logits
         # and qk * scale - m below is one FMA per element.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if LAZY_TAU > 0:
-            # (-inf > -inf + tau is False: rows that saw nothing yet do not force a rescale.)
-            grow = tl.max(tl.where(m_new > m_i + LAZY_TAU, 1, 0), 0)
-            if grow > 0:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.math.exp2(m_i - m_use)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from
-            # inf - inf.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
+        # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from inf - inf.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
 
-        if MASKED:
+        if MASK != 0:
             v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
         elif EVEN_D:
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        if LAZY_TAU == 0:
-            acc = acc * alpha[:, None]
-            m_i = m_new
+        acc = acc * alpha[:, None]
+        m_i = m_new
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kt
         v_ptrs += BLOCK_N * stride_vt
     return acc, l_i, m_i
-
-
-@triton.jit
-def _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo, EVEN_D: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, N: tl.constexpr):
-    pos_k = key_lo + tl.arange(0, N)
-    kv_ok = (pos_k < seq_len)[:, None]
-    if not EVEN_D:
-        kv_ok = kv_ok & (offs_d < HEAD_DIM)[None, :]
-    return tl.load(v_base + pos_k.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=kv_ok,
-                   other=0.0)
-
-
-@triton.jit
-def _band_chunk_scores(q, k_base, stride_kt, offs_d, pos_q, seq_len, key_lo, window_q, window_k,
-                       IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
-                       EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, N: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
-    """Masked raw scores ``q·k`` of keys ``key_lo … key_lo + N - 1``."""
-    pos_k = key_lo + tl.arange(0, N)
-    kv_ok = (pos_k < seq_len)[:, None]
-    if not EVEN_D:
-        kv_ok = kv_ok & (offs_d < HEAD_DIM)[None, :]
-    off = pos_k.to(tl.int64)[:, None]
-    k = tl.load(k_base + off * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    return _mask_invisible(qk, pos_q, pos_k, seq_len, window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK)
-
-
-@triton.jit
-def _attend_whole_band(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q,
-                       seq_len, key_lo, qk_scale, window_q, window_k, IS_CAUSAL: tl.constexpr,
-                       HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, EVEN_D: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, EARLY_V: tl.constexpr):
-    """Exact softmax over the tile's whole key band ``key_lo … key_lo + N1 + N2 - 1`` at once.
-
-    The launcher guarantees that every key some row of the tile sees lies in that range (N1, N2 are
-    powers of two: e.g. 128 + 16 for 16 tokens and a ±64 window). The row max is taken once over all
-    scores, so there is no online rescaling of the accumulator (4 multiplies per score at BLOCK_N 16
-    in the loop) and there are 2 + 2 dots instead of 2 per 16 keys. The initial state (null logit,
-    key 0 with its bias) enters exactly as in the loop: as one more term of the max and the sum.
-    """
-    # EARLY_V issues V with K: nothing else is in flight in a loop-free program, so its latency
-    # hides behind the QK dots and the softmax, at the price of V's registers held meanwhile
-    # (run 3: 202 registers per thread at 64 rows × 144 keys, 2 programs per SM). The V loads sit
-    # under constexpr ifs (resolved when compiling), so v1 / v2 are defined on one path only.
-    if EARLY_V:
-        v1 = _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo, EVEN_D, HEAD_DIM, N1)
-        if N2 > 0:
-            v2 = _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo + N1, EVEN_D,
-                                    HEAD_DIM, N2)
-    qk1 = _band_chunk_scores(q, k_base, stride_kt, offs_d, pos_q, seq_len, key_lo, window_q,
-                             window_k, IS_CAUSAL, HAS_WQ, HAS_WK, EVEN_D, HEAD_DIM, N1,
-                             DOT_PRECISION)
-    row_max = tl.max(qk1, 1)
-    if N2 > 0:
-        qk2 = _band_chunk_scores(q, k_base, stride_kt, offs_d, pos_q, seq_len, key_lo + N1,
-                                 window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK, EVEN_D, HEAD_DIM,
-                                 N2, DOT_PRECISION)
-        row_max = tl.maximum(row_max, tl.max(qk2, 1))
-    # qk_scale > 0, so max(qk) * scale is the max of the scaled logits.
-    m_new = tl.maximum(m_i, row_max * qk_scale)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows: nothing visible, no sink
-    alpha = tl.math.exp2(m_i - m_use)  # once per row (the initial state), not per key block
-    p1 = tl.math.exp2(qk1 * qk_scale - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p1, 1)
-    acc = acc * alpha[:, None]
-    if not EARLY_V:
-        v1 = _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo, EVEN_D, HEAD_DIM, N1)
-    acc = tl.dot(p1.to(v1.dtype), v1, acc, input_precision=DOT_PRECISION)
-    if N2 > 0:
-        p2 = tl.math.exp2(qk2 * qk_scale - m_use[:, None])
-        l_i += tl.sum(p2, 1)
-        if not EARLY_V:
-            v2 = _band_chunk_values(v_base, stride_vt, offs_d, seq_len, key_lo + N1, EVEN_D,
-                                    HEAD_DIM, N2)
-        acc = tl.dot(p2.to(v2.dtype), v2, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -280,57 +203,17 @@ def _key_band(q_start, q_last, seq_len, window_q, window_k, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _prefill_attention_kernel(
-    Q, K, V, O, Sinks, StartLoc, SeqLen,
-    num_seqs, total_tokens, num_head_groups, qk_scale, window_q, window_k,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_sink, stride_start, stride_len,
-    QUERIES_PER_KV: tl.constexpr,  # Hq // Hkv
-    GP: tl.constexpr,  # query heads per program (power of two dividing QUERIES_PER_KV)
-    BLOCK_T: tl.constexpr,  # query tokens per program
-    BLOCK_N: tl.constexpr,  # keys per loop step
-    BLOCK_D: tl.constexpr,  # head dim padded to a power of two
-    HEAD_DIM: tl.constexpr,
-    BLOCK_B: tl.constexpr,  # sequences per step of the tile → sequence lookup
-    IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
-    SINK_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT_LOOPS: tl.constexpr,  # masked edges / mask-free middle in separate loops, or one loop
-    BAND_N1: tl.constexpr, BAND_N2: tl.constexpr,  # > 0: whole-band softmax over N1 + N2 keys
-    BAND_EARLY_V: tl.constexpr,  # whole band: load V together with K (else after the softmax)
-    LAZY_TAU: tl.constexpr,  # key loop: > 0 rescales only when a row max grows by more (log2)
-):
+def _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_scale, window_q,
+                 window_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_ot, stride_oh, stride_sink,
+                 QUERIES_PER_KV: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
+                 SINK_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_LAYOUT: tl.constexpr):
+    """Attention of query tokens ``q_start … q_start + BLOCK_T - 1`` of one sequence (positions
+    relative to it; rows at or past ``seq_len`` are padding: computed on zeros, never stored) for
+    the GP query heads of ``head_group``, written to O."""
     ROWS: tl.constexpr = BLOCK_T * GP
-    pid = tl.program_id(0)
-    head_group = pid % num_head_groups  # heads vary fastest: neighbours share K/V rows in L2
-    tile = pid // num_head_groups
-
-    # -- which sequence and which query tile of it: walk the per-sequence tile counts on the device
-    # (the grid is an upper bound, so programs past the last tile return at once).
-    offs_b = tl.arange(0, BLOCK_B)
-    seq = 0
-    tiles_before = 0
-    running = 0
-    for b0 in range(0, num_seqs, BLOCK_B):
-        in_batch = b0 + offs_b < num_seqs
-        lens = tl.load(SeqLen + (b0 + offs_b) * stride_len, mask=in_batch, other=0).to(tl.int32)
-        ntiles = (tl.maximum(lens, 0) + BLOCK_T - 1) // BLOCK_T
-        inclusive = tl.cumsum(ntiles, 0) + running
-        before = (inclusive <= tile) & in_batch
-        seq += tl.sum(before.to(tl.int32), 0)
-        tiles_before = tl.maximum(tiles_before, tl.max(tl.where(before, inclusive, 0), 0))
-        running += tl.sum(ntiles, 0)
-    # No early return for programs past the last tile: a `return` splits the kernel into several
-    # blocks and Triton's software pipeliner then leaves the key loops alone (measured: no async
-    # copies at all). Idle programs run with an empty sequence instead: no key blocks, no stores.
-    active = seq < num_seqs
-    seq = tl.minimum(seq, num_seqs - 1)
-    seq_start = tl.load(StartLoc + seq * stride_start).to(tl.int64)
-    seq_len = tl.load(SeqLen + seq * stride_len).to(tl.int64)
-    # Offsets cannot be checked on the host without a sync: clamp them to the buffer instead.
-    seq_len = tl.minimum(seq_len, total_tokens - seq_start)
-    seq_len = tl.where(seq_start < 0, 0, tl.maximum(seq_len, 0)).to(tl.int32)
-    q_start = (tile - tiles_before) * BLOCK_T
-    seq_len = tl.where(active & (q_start < seq_len), seq_len, 0)
     q_last = tl.minimum(q_start + BLOCK_T, seq_len) - 1
 
     # -- rows: token-major, GP heads of one KV head per token
@@ -382,41 +265,133 @@ def _prefill_attention_kernel(
                 l_i = tl.where(sees_key0, 1.0, 0.0)
                 acc = tl.where(sees_key0[:, None], v0[None, :], 0.0)
 
-    # -- key blocks: the whole band at once, or masked head, mask-free middle, masked tail
+    # -- the tile's key band: one loop (mask on edge blocks / every block) or three loops
     lo, first_full, end_full, n_blocks = _key_band(
         q_start, q_last, seq_len, window_q, window_k, BLOCK_N, IS_CAUSAL, HAS_WQ, HAS_WK,
         SINK_MODE == 2)
-    if BAND_N1 > 0:
-        acc, l_i, m_i = _attend_whole_band(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
-            qk_scale, window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK, BLOCK_D == HEAD_DIM, HEAD_DIM,
-            BAND_N1, BAND_N2, DOT_PRECISION, BAND_EARLY_V)
-    elif SPLIT_LOOPS:
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    row_lo, row_hi = _visible_range(pos_q, seq_len, window_q, window_k, IS_CAUSAL, HAS_WQ, HAS_WK)
+    if LOOP_LAYOUT == 0:
         acc, l_i, m_i = _attend_key_blocks(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
-            0, first_full, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
-            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION, LAZY_TAU)
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
+            seq_len, lo, 0, n_blocks, first_full, end_full, qk_scale, 2, EVEN_D, HEAD_DIM,
+            BLOCK_N, DOT_PRECISION)
+    elif LOOP_LAYOUT == 1:
         acc, l_i, m_i = _attend_key_blocks(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
-            first_full, end_full, qk_scale, window_q, window_k, False, IS_CAUSAL, HAS_WQ, HAS_WK,
-            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION, LAZY_TAU)
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
+            seq_len, lo, 0, first_full, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
+            BLOCK_N, DOT_PRECISION)
         acc, l_i, m_i = _attend_key_blocks(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
-            end_full, n_blocks, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
-            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION, LAZY_TAU)
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
+            seq_len, lo, first_full, end_full, first_full, end_full, qk_scale, 0, EVEN_D, HEAD_DIM,
+            BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _attend_key_blocks(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
+            seq_len, lo, end_full, n_blocks, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
+            BLOCK_N, DOT_PRECISION)
     else:
-        # One masked loop over the whole band: a single pipeline (one prologue of exposed load
-        # latency instead of three) at the price of mask arithmetic in every block.
         acc, l_i, m_i = _attend_key_blocks(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, pos_q, seq_len, lo,
-            0, n_blocks, qk_scale, window_q, window_k, True, IS_CAUSAL, HAS_WQ, HAS_WK,
-            BLOCK_D == HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_PRECISION, LAZY_TAU)
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
+            seq_len, lo, 0, n_blocks, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
+            BLOCK_N, DOT_PRECISION)
 
-    # Valid rows always have l_i > 0 (a query sees itself); padding rows are not stored.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # Valid rows always have l_i > 0 (a query sees itself); padding rows are not stored. One
+    # reciprocal per row and a multiply per element: a full-precision divide per element cost ~100
+    # instructions per warp in the epilogue (SASS, run 5).
+    inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    out = acc * inv_l[:, None]
     o_ptrs = (O + (seq_start + pos_q.to(tl.int64))[:, None] * stride_ot
               + head[:, None] * stride_oh + offs_d[None, :])
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _load_sequence(StartLoc, SeqLen, seq, total_tokens, stride_start, stride_len):
+    """Start row (int64) and length (int32, clamped into the buffer) of sequence ``seq``."""
+    seq_start = tl.load(StartLoc + seq * stride_start).to(tl.int64)
+    seq_len = tl.load(SeqLen + seq * stride_len).to(tl.int64)
+    # Offsets cannot be checked on the host without a sync: clamp them to the buffer instead.
+    seq_len = tl.minimum(seq_len, total_tokens - seq_start)
+    seq_len = tl.where(seq_start < 0, 0, tl.maximum(seq_len, 0)).to(tl.int32)
+    return seq_start, seq_len
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    Q, K, V, O, Sinks, StartLoc, SeqLen,
+    num_seqs, total_tokens, qk_scale, window_q, window_k,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_sink, stride_start, stride_len,
+    NUM_HEAD_GROUPS: tl.constexpr,  # Hq // GP (a constant divides without an emulated division)
+    QUERIES_PER_KV: tl.constexpr,  # Hq // Hkv
+    GP: tl.constexpr,  # query heads per program (power of two dividing QUERIES_PER_KV)
+    BLOCK_T: tl.constexpr,  # query tokens per tile
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    BLOCK_D: tl.constexpr,  # head dim padded to a power of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # sequences per step of the tile → sequence search
+    SEQ_FROM_GRID: tl.constexpr,  # grid axis 1 = sequence (host length bound known), else search
+    IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
+    SINK_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOOP_LAYOUT: tl.constexpr,  # 0 one loop, mask on edge blocks; 1 three loops; 2 one masked loop
+):
+    pid = tl.program_id(0)
+    head_group = pid % NUM_HEAD_GROUPS  # heads vary fastest: neighbours share K/V rows in L2
+    if SEQ_FROM_GRID:
+        # Grid (head groups × (tile slots + 1), sequences), the slots sized from a host-side bound
+        # on the longest sequence: slot s takes tile s. The one extra slot per sequence and head
+        # group takes the tiles past the bound, if any (none when the bound holds): a wrong bound
+        # costs time, never output. Its loop is a separate path, so the common path keeps the
+        # register budget of a single tile (the loop's hoisted invariants spill at 80 registers).
+        seq = tl.program_id(1)
+        slot = pid // NUM_HEAD_GROUPS
+        num_slots = tl.num_programs(0) // NUM_HEAD_GROUPS - 1
+        seq_start, seq_len = _load_sequence(StartLoc, SeqLen, seq, total_tokens, stride_start,
+                                            stride_len)
+        if slot < num_slots:
+            q_start = slot * BLOCK_T
+            _attend_tile(Q, K, V, O, Sinks, seq_start, tl.where(q_start < seq_len, seq_len, 0),
+                         q_start, head_group, qk_scale, window_q, window_k, stride_qt, stride_qh,
+                         stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                         stride_sink, QUERIES_PER_KV, GP, BLOCK_T, BLOCK_N, BLOCK_D, HEAD_DIM,
+                         IS_CAUSAL, HAS_WQ, HAS_WK, SINK_MODE, DOT_PRECISION, LOOP_LAYOUT)
+        else:
+            for t in range(num_slots, tl.cdiv(seq_len, BLOCK_T)):
+                _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, t * BLOCK_T, head_group,
+                             qk_scale, window_q, window_k, stride_qt, stride_qh, stride_kt,
+                             stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_sink,
+                             QUERIES_PER_KV, GP, BLOCK_T, BLOCK_N, BLOCK_D, HEAD_DIM, IS_CAUSAL,
+                             HAS_WQ, HAS_WK, SINK_MODE, DOT_PRECISION, LOOP_LAYOUT)
+    else:
+        # Grid (head groups × an upper bound on Σ tiles): find this program's sequence and tile by
+        # walking the per-sequence tile counts on the device.
+        tile = pid // NUM_HEAD_GROUPS
+        offs_b = tl.arange(0, BLOCK_B)
+        seq = 0
+        tiles_before = 0
+        running = 0
+        for b0 in range(0, num_seqs, BLOCK_B):
+            in_batch = b0 + offs_b < num_seqs
+            lens = tl.load(SeqLen + (b0 + offs_b) * stride_len, mask=in_batch, other=0).to(tl.int32)
+            ntiles = (tl.maximum(lens, 0) + BLOCK_T - 1) // BLOCK_T
+            inclusive = tl.cumsum(ntiles, 0) + running
+            before = (inclusive <= tile) & in_batch
+            seq += tl.sum(before.to(tl.int32), 0)
+            tiles_before = tl.maximum(tiles_before, tl.max(tl.where(before, inclusive, 0), 0))
+            running += tl.sum(ntiles, 0)
+        # No early return for programs past the last tile: a `return` splits the kernel into
+        # several blocks and Triton's software pipeliner then leaves the key loops alone (measured:
+        # no async copies at all). Idle programs run with an empty sequence instead.
+        active = seq < num_seqs
+        seq_start, seq_len = _load_sequence(StartLoc, SeqLen, tl.minimum(seq, num_seqs - 1),
+                                            total_tokens, stride_start, stride_len)
+        q_start = (tile - tiles_before) * BLOCK_T
+        seq_len = tl.where(active & (q_start < seq_len), seq_len, 0)
+        _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_scale,
+                     window_q, window_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                     stride_vh, stride_ot, stride_oh, stride_sink, QUERIES_PER_KV, GP, BLOCK_T,
+                     BLOCK_N, BLOCK_D, HEAD_DIM, IS_CAUSAL, HAS_WQ, HAS_WK, SINK_MODE,
+                     DOT_PRECISION, LOOP_LAYOUT)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -434,14 +409,14 @@ class LaunchConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    split_loops: bool = True
+    # The tile's key band as one loop masking only its edge blocks ("edges"), masked edges and a
+    # mask-free middle in three loops ("split"), or one loop masking every block ("one").
+    loop_layout: str = "edges"
     maxnreg: int | None = None  # register cap per thread: more programs per SM (latency hiding)
-    # Whole-band softmax (banded problems): all keys of a tile's band in two chunks of band_n1 and
-    # band_n2 keys (powers of two, band_n2 may be 0), no key loop; block_n and split_loops unused.
-    band_n1: int = 0
-    band_n2: int = 0
-    band_early_v: bool = False  # load V with K (more registers) or after the softmax
-    lazy_tau: float = 0.0  # key loop: conditional rescaling threshold in log2 units (0: every block)
+
+    def __post_init__(self):
+        if self.loop_layout not in LOOP_LAYOUTS:
+            raise ValueError(f"loop_layout must be one of {LOOP_LAYOUTS}, got {self.loop_layout!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,86 +453,26 @@ def _largest_pow2_divisor(n: int) -> int:
     return n & -n
 
 
-def band_span(p: Problem, block_t: int) -> int | None:
-    """Most keys one tile of ``block_t`` query tokens can see (None: unbounded).
-
-    Rows ``q … q + T - 1`` see keys ``q - wq … q + T - 1 + wk`` (``… q + T - 1`` when causal): at
-    most ``T + wq + wk`` (``T + wq``) keys. Key 0 under the key-0 bias is folded in before, so it only
-    shortens the band.
-    """
-    if not p.banded:
-        return None
-    ahead = 0 if p.is_causal else p.window_k
-    return block_t + p.window_q + ahead
-
-
-def whole_band_chunks(span: int) -> tuple[int, int]:
-    """Two power-of-two chunks covering ``span`` keys with little waste: 144 → 128 + 16.
-
-    The second chunk is at least 16 keys (tl.dot's minimum K for the P·V product); when it would be
-    as long as the first, one chunk of twice the size does the same work in fewer dots.
-    """
-    n1 = 1 << (span.bit_length() - 1)
-    rest = span - n1
-    if rest == 0:
-        return max(n1, 16), 0
-    n2 = max(16, triton.next_power_of_2(rest))
-    if n2 >= n1:
-        return max(2 * n1, 16), 0
-    return n1, n2
-
-
-# Longest band the whole-band path takes (keys, after rounding to the two chunks): a 64-row tile
-# holds 64 × (n1 + n2) fp32 scores in registers, 72 per thread at 160 keys and 4 warps.
-_WHOLE_BAND_MAX_KEYS = 160
-# Whether choose_config picks the whole band where it applies. Off: on the H200 it lost to the key
-# loop (run 3, MiMo 4 × 16384: 688 µs vs 494 µs; 202 registers per thread, 2 programs per SM where
-# the loop kernel runs 6). Kept for the sweep and for later work (docs/notes/prefill-kernel-log.md).
-_WHOLE_BAND_DEFAULT = False
-
-
-def whole_band_config(p: Problem, num_warps: int = 4, maxnreg: int | None = None,
-                      early_v: bool = False, rows: int = 64) -> LaunchConfig | None:
-    """The whole-band tile shape for ``p`` (None where it does not apply: not banded, fp32, D > 64,
-    or a band longer than _WHOLE_BAND_MAX_KEYS keys)."""
-    if not p.banded or p.dtype == torch.float32 or p.block_d > 64:
-        return None
-    gp = min(_largest_pow2_divisor(p.queries_per_kv), rows)
-    block_t = rows // gp
-    n1, n2 = whole_band_chunks(band_span(p, block_t))
-    if n1 + n2 > _WHOLE_BAND_MAX_KEYS:
-        return None
-    return LaunchConfig(block_t=block_t, gp=gp, block_n=16, num_warps=num_warps, num_stages=1,
-                        split_loops=False, maxnreg=maxnreg, band_n1=n1, band_n2=n2,
-                        band_early_v=early_v)
-
-
 def choose_config(p: Problem) -> LaunchConfig:
     """Tile shape by problem shape (H200 measurements: docs/notes/prefill-kernel-log.md).
 
-    Banded attention (a window) is latency-bound: each tile visits only (BLOCK_T + wq + wk) keys, so
-    what counts is programs in flight per SM. 64 rows (the GP query heads of a KV head × BLOCK_T
-    tokens), 16 keys per step, 4 warps, capped at 80 registers (no spill per ptxas) gives 6 programs
-    per SM; masked edge blocks in their own loops (2–3 % over one masked loop). The whole-band path
-    is taken only when _WHOLE_BAND_DEFAULT says so (off: slower, kernel log run 3). Full attention
-    keeps long key loops, mostly mask-free: 128 rows, 8 warps, masked edges in their own loops. fp32
-    operands and D > 128 need 64 rows × 16 keys with 8 warps not to spill.
+    Banded attention (a window) visits only BLOCK_T + wq + wk keys per tile, so the per-tile work is
+    short and the instruction count per tile decides (issue-bound per Nsight Compute, run 5): 64
+    rows (the GP query heads of a KV head × BLOCK_T tokens), 16 keys per step, 4 warps, capped at 80
+    registers (no spill per ptxas: 6 programs per SM), and one key loop that masks only its edge
+    blocks. Full attention keeps long key loops, mostly mask-free: 128 rows, 8 warps, masked edges
+    in their own loops. fp32 operands and D > 128 need 64 rows × 16 keys with 8 warps not to spill.
     """
     gp_max = _largest_pow2_divisor(p.queries_per_kv)
-    if _WHOLE_BAND_DEFAULT:
-        whole = whole_band_config(p)
-        if whole is not None:
-            return whole
     if p.dtype == torch.float32 or p.block_d > 128:
-        rows, cfg = 64, dict(block_n=16, num_warps=8, num_stages=2)
+        rows, cfg = 64, dict(block_n=16, num_warps=8, num_stages=2, loop_layout="split")
     elif p.banded:
         rows = 64
-        # Masked edges in their own loops: 493 vs 503 µs (MiMo) and 948 vs 973 µs (GPT-OSS-like)
-        # over one masked loop, the same in runs 2 and 3.
-        cfg = dict(block_n=16, num_warps=4, num_stages=3, split_loops=True,
+        cfg = dict(block_n=16, num_warps=4, num_stages=3, loop_layout="edges",
                    maxnreg=80 if p.block_d <= 64 else None)
     else:
-        rows, cfg = 128, dict(block_n=64 if p.block_d <= 64 else 32, num_warps=8, num_stages=2)
+        rows, cfg = 128, dict(block_n=64 if p.block_d <= 64 else 32, num_warps=8, num_stages=2,
+                              loop_layout="split")
     gp = min(gp_max, rows)
     return LaunchConfig(block_t=rows // gp, gp=gp, **cfg)
 
@@ -655,34 +570,58 @@ def _validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, soft
                    sink_mode=sink_mode, scale=scale)
 
 
-def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks):
-    """Launch for an already validated problem (the benchmark calls this to compare tile shapes)."""
+def host_length_bound(max_input_len) -> int | None:
+    """``max_input_len`` as a host int when reading it costs no device sync (an int, or a CPU
+    tensor as MiMo's vision tower passes), else None (a device tensor: the kernel searches)."""
+    if isinstance(max_input_len, torch.Tensor):
+        return int(max_input_len) if max_input_len.device.type == "cpu" else None
+    return int(max_input_len)
+
+
+# Grid axis 1 (sequences) is limited to 65535 programs; past that the kernel searches.
+_MAX_GRID_SEQS = 65535
+
+
+def kernel_constexprs(p: Problem, cfg: LaunchConfig, seq_from_grid: bool) -> dict:
+    """The compile-time arguments of the kernel for a problem and tile shape."""
+    return dict(
+        NUM_HEAD_GROUPS=p.q_heads // cfg.gp, QUERIES_PER_KV=p.queries_per_kv, GP=cfg.gp, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
+        BLOCK_D=p.block_d, HEAD_DIM=p.head_dim, BLOCK_B=128, SEQ_FROM_GRID=seq_from_grid,
+        IS_CAUSAL=p.is_causal, HAS_WQ=p.window_q > 0, HAS_WK=p.window_k > 0,
+        SINK_MODE=p.sink_mode, DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
+        LOOP_LAYOUT=LOOP_LAYOUTS.index(cfg.loop_layout))
+
+
+def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks,
+           max_len_hint: int | None = None):
+    """Launch for an already validated problem (the benchmark calls this to compare tile shapes).
+
+    ``max_len_hint``: a host-side bound on the longest sequence (from ``host_length_bound``) or
+    None. With one, programs take their sequence from the grid; a bound that is too small costs
+    time (programs loop over the extra tiles), never output. Without one, each program searches
+    its sequence and tile on the device.
+    """
     if p.tokens == 0 or p.num_seqs == 0:
         return
     if p.queries_per_kv % cfg.gp:
         raise ValueError(f"gp={cfg.gp} must divide the {p.queries_per_kv} query heads per KV head")
-    if cfg.band_n1:
-        span = band_span(p, cfg.block_t)
-        if span is None or cfg.band_n1 + cfg.band_n2 < span:
-            raise ValueError(f"whole-band chunks {cfg.band_n1} + {cfg.band_n2} do not cover the "
-                             f"band of {span} keys of a {cfg.block_t}-token tile")
     num_head_groups = p.q_heads // cfg.gp
-    # Σ ceil(len_b / T) <= floor((tokens + B (T - 1)) / T) when the sequences fit in the buffer.
-    max_tiles = (p.tokens + p.num_seqs * (cfg.block_t - 1)) // cfg.block_t
-    grid = (num_head_groups * max_tiles,)
+    seq_from_grid = max_len_hint is not None and p.num_seqs <= _MAX_GRID_SEQS
+    if seq_from_grid:
+        slots = triton.cdiv(min(max(max_len_hint, 1), p.tokens), cfg.block_t)
+        grid = (num_head_groups * (slots + 1), p.num_seqs)  # + 1: tiles past a wrong bound
+    else:
+        # Σ ceil(len_b / T) <= floor((tokens + B (T - 1)) / T) when the sequences fit in the buffer.
+        max_tiles = (p.tokens + p.num_seqs * (cfg.block_t - 1)) // cfg.block_t
+        grid = (num_head_groups * max_tiles,)
     # Returns Triton's compiled kernel (registers, spills: the benchmark's sweep prints them).
     return _prefill_attention_kernel[grid](
         q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len,
-        p.num_seqs, p.tokens, num_head_groups, p.scale * _LOG2E, p.window_q, p.window_k,
+        p.num_seqs, p.tokens, p.scale * _LOG2E, p.window_q, p.window_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), sinks.stride(0) if sinks is not None else 0,
         b_start_loc.stride(0), b_seq_len.stride(0),
-        QUERIES_PER_KV=p.queries_per_kv, GP=cfg.gp, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
-        BLOCK_D=p.block_d, HEAD_DIM=p.head_dim, BLOCK_B=128,
-        IS_CAUSAL=p.is_causal, HAS_WQ=p.window_q > 0, HAS_WK=p.window_k > 0,
-        SINK_MODE=p.sink_mode, DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
-        SPLIT_LOOPS=cfg.split_loops, BAND_N1=cfg.band_n1, BAND_N2=cfg.band_n2,
-        BAND_EARLY_V=cfg.band_early_v, LAZY_TAU=float(cfg.lazy_tau),
+        **kernel_constexprs(p, cfg, seq_from_grid),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not _INTERPRETING else {}),
     )
@@ -731,4 +670,5 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
             if len(_VALIDATED) >= _VALIDATED_MAX:
                 _VALIDATED.clear()
             _VALIDATED[key] = hit
-    launch(hit[0], hit[1], q, k, v, o, b_start_loc, b_seq_len, sinks)
+    launch(hit[0], hit[1], q, k, v, o, b_start_loc, b_seq_len, sinks,
+           host_length_bound(max_input_len))
