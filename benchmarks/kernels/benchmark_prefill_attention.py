@@ -333,16 +333,15 @@ def _sweep(p, group: int) -> list[LaunchConfig]:
     """Tile shapes to time beside the default, most telling first (see the kernel log).
 
     Loop layouts (one pipelined loop masking its edge blocks, masked edges in their own loops, one
-    loop masking every block), keys per step (16: more per-step overhead, less band waste; 32: fewer
-    instructions per key, more registers), register caps (programs per SM), pipeline depth, and
-    128-row tiles (K/V read half as often).
+    loop masking every block), keys per step (16: more per-step overhead, less band waste; 32: fewer instructions per key, more
+    registers), register caps (programs per SM), pipeline depth, and 128-row tiles.
     """
     gp = group & -group
     C = LaunchConfig
     t64, t128 = 64 // gp, 128 // gp
     n16 = [C(t64, gp, 16, 4, 3, layout, 80) for layout in ("edges", "split", "one")]
-    n16 += [C(t64, gp, 16, 4, st, "edges", 80) for st in (2, 4)] + [C(t64, gp, 16, 4, 3, "edges", 72)]
-    n32 = [C(t64, gp, 32, 4, 3, layout, 112) for layout in ("edges", "one")]
+    n16 += [C(t64, gp, 16, 4, 2, "edges", 80), C(t64, gp, 16, 4, 3, "edges", 72)]
+    n32 = [C(t64, gp, 32, 4, st, "edges", reg) for st, reg in ((3, 112), (2, 104))]
     rows = [C(t128, gp, 16, 8, 3, "edges", 80)]
     return [s for s in n16 + n32 + rows if s.block_t >= 1]
 

@@ -114,7 +114,8 @@ LOOP_LAYOUTS = ("edges", "split", "one")
 def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo,
                        row_hi, seq_len, key_lo, first_block, end_block, first_full, end_full,
                        qk_scale, MASK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       MAX_MAY_BE_INF: tl.constexpr):
     """Online softmax over key blocks ``first_block … end_block - 1`` starting at key ``key_lo``.
 
     Blocks ``first_full … end_full - 1`` are visible to every valid row of the tile; the others
@@ -125,6 +126,9 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
+    # The softmax denominator is kept per score column and summed across the row once, after the
+    # loop: an FMA per score per step instead of a row reduction (shuffles) per step.
+    l_cols = tl.where(offs_n[None, :] == 0, l_i[:, None], 0.0)
     first_key = (key_lo + first_block * BLOCK_N + offs_n).to(tl.int64)
     k_ptrs = k_base + first_key[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = v_base + first_key[:, None] * stride_vt + offs_d[None, :]
@@ -149,11 +153,15 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
         # qk_scale > 0 (checked by the launcher), so max(qk) * scale is the max of the scaled logits
         # and qk * scale - m below is one FMA per element.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from inf - inf.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MAX_MAY_BE_INF:
+            # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from
+            # inf - inf. Not with a null-logit sink: every row's max starts finite (at its sink).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_cols = l_cols * alpha[:, None] + p
 
         if MASK != 0:
             v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
@@ -166,7 +174,7 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kt
         v_ptrs += BLOCK_N * stride_vt
-    return acc, l_i, m_i
+    return acc, tl.sum(l_cols, 1), m_i
 
 
 @triton.jit
@@ -241,7 +249,9 @@ def _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_
     else:
         sink = tl.load(Sinks + head * stride_sink).to(tl.float32) * 1.4426950408889634
         if SINK_MODE == 1:
-            m_i = sink
+            # The running max starts finite even for a -inf sink (a head without one): a sink of
+            # -1e30 weighs exactly 0 after the first rescale, and the key loop needs no -inf guard.
+            m_i = tl.maximum(sink, -1.0e30)
             l_i = tl.full([ROWS], 1.0, tl.float32)
             acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
         else:
@@ -275,25 +285,25 @@ def _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, 0, n_blocks, first_full, end_full, qk_scale, 2, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION)
+            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
     elif LOOP_LAYOUT == 1:
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, 0, first_full, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION)
+            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, first_full, end_full, first_full, end_full, qk_scale, 0, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION)
+            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, end_full, n_blocks, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION)
+            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
     else:
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, 0, n_blocks, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION)
+            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
 
     # Valid rows always have l_i > 0 (a query sees itself); padding rows are not stored. One
     # reciprocal per row and a multiply per element: a full-precision divide per element cost ~100
