@@ -104,8 +104,6 @@ def _mask_invisible(qk, pos_k, row_lo, row_hi):
     return tl.where(visible, qk, float("-inf"))
 
 
-# How a key loop treats the visibility mask (constexpr MASK of _attend_key_blocks).
-_MASK_NONE, _MASK_ALL, _MASK_EDGES = 0, 1, 2
 # Loop layouts of a tile's key band (LaunchConfig.loop_layout).
 LOOP_LAYOUTS = ("edges", "split", "one")
 
@@ -120,9 +118,10 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
 
     Blocks ``first_full … end_full - 1`` are visible to every valid row of the tile; the others
     straddle a band edge (or the sequence end) and need the visibility mask. MASK says which blocks
-    of this loop apply it: none (a mask-free middle loop), all, or only the edge blocks, tested per
-    block with a tile-uniform branch (one loop for the whole band: no extra loop prologues, and the
-    mask arithmetic runs only where it can change something). Positions are relative to the sequence.
+    of this loop apply it: 0 none (a mask-free middle loop), 1 all, or 2 only the edge blocks,
+    tested per block with a tile-uniform branch (one loop for the whole band: no extra loop
+    prologues, and the mask arithmetic runs only where it can change something). Positions are
+    relative to the sequence.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -595,7 +594,8 @@ _MAX_GRID_SEQS = 65535
 def kernel_constexprs(p: Problem, cfg: LaunchConfig, seq_from_grid: bool) -> dict:
     """The compile-time arguments of the kernel for a problem and tile shape."""
     return dict(
-        NUM_HEAD_GROUPS=p.q_heads // cfg.gp, QUERIES_PER_KV=p.queries_per_kv, GP=cfg.gp, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
+        NUM_HEAD_GROUPS=p.q_heads // cfg.gp, QUERIES_PER_KV=p.queries_per_kv, GP=cfg.gp,
+        BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
         BLOCK_D=p.block_d, HEAD_DIM=p.head_dim, BLOCK_B=128, SEQ_FROM_GRID=seq_from_grid,
         IS_CAUSAL=p.is_causal, HAS_WQ=p.window_q > 0, HAS_WK=p.window_k > 0,
         SINK_MODE=p.sink_mode, DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
