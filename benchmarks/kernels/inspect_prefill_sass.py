@@ -87,22 +87,17 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
 def loops(sass: str):
-    """(start, end, instructions) of each loop: a branch to a lower address closes one."""
+    """(start, end, instructions) of each loop: a branch to a lower address closes one.
+
+    ``cuobjdump -sass`` prints branch targets as absolute addresses (``BRA 0x2800``).
+    """
     instrs = [(int(a, 16), text.strip()) for a, text in _INSTR.findall(sass)]
     found = []
     for addr, text in instrs:
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
-        target = None
-        if m and m.group(1):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) <= addr:
             target = int(m.group(1), 16)
-        elif "BRA" in text:
-            label = re.search(r"\.L_x_(\d+)", text)
-            if label:
-                lab = re.search(r"\.L_x_%s:\s*\n\s*/\*([0-9a-f]+)\*/" % label.group(1), sass)
-                target = int(lab.group(1), 16) if lab else None
-        if target is not None and target <= addr:
-            body = [t for a, t in instrs if target <= a <= addr]
-            found.append((target, addr, body))
+            found.append((target, addr, [t for a, t in instrs if target <= a <= addr]))
     return instrs, found
 
 

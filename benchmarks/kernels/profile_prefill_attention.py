@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchmark_prefill_attention import _cases, _inputs  # noqa: E402
 
 from vllm_sinks.v1.attention.ops.triton_prefill_attention import (  # noqa: E402
-    LaunchConfig,
     _validate,
     choose_config,
     launch,
