@@ -112,8 +112,7 @@ LOOP_LAYOUTS = ("edges", "split", "one")
 def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo,
                        row_hi, seq_len, key_lo, first_block, end_block, first_full, end_full,
                        qk_scale, MASK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       MAX_MAY_BE_INF: tl.constexpr):
+                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax over key blocks ``first_block … end_block - 1`` starting at key ``key_lo``.
 
     Blocks ``first_full … end_full - 1`` are visible to every valid row of the tile; the others
@@ -151,15 +150,11 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, o
                 qk = _mask_invisible(qk, pos_k, row_lo, row_hi)
         # qk_scale > 0 (checked by the launcher), so max(qk) * scale is the max of the scaled logits
         # and qk * scale - m below is one FMA per element.
+        # The running max starts finite (at -1e30 at worst), so a row that has seen nothing yet
+        # (a masked edge block) gets p = exp2(-inf) = 0 and alpha = 1, never inf - inf: no guard.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if MAX_MAY_BE_INF:
-            # A row may have seen nothing yet (masked edge block, no sink): keep exp2 away from
-            # inf - inf. Not with a null-logit sink: every row's max starts finite (at its sink).
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_cols = l_cols * alpha[:, None] + p
 
         if MASK != 0:
@@ -241,20 +236,22 @@ def _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_
     v_base = V + seq_start * stride_vt + kv_head * stride_vh
 
     # -- initial softmax state: empty, or the sink as a value-less logit, or key 0 with its bias
+    # The running max never starts at -inf (see _attend_key_blocks): -1e30 is below any logit and
+    # weighs exactly 0 once a real one arrives (exp2(-1e30 - m) = 0).
     if SINK_MODE == 0:
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        m_i = tl.full([ROWS], -1.0e30, tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     else:
         sink = tl.load(Sinks + head * stride_sink).to(tl.float32) * 1.4426950408889634
         if SINK_MODE == 1:
-            # The running max starts finite even for a -inf sink (a head without one): a sink of
-            # -1e30 weighs exactly 0 after the first rescale, and the key loop needs no -inf guard.
+            # A -inf sink (a head without one) starts the max at -1e30 too: it weighs exactly 0
+            # after the first rescale, as exp(-inf) would.
             m_i = tl.maximum(sink, -1.0e30)
             l_i = tl.full([ROWS], 1.0, tl.float32)
             acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
         else:
-            m_i = tl.full([ROWS], float("-inf"), tl.float32)
+            m_i = tl.full([ROWS], -1.0e30, tl.float32)
             l_i = tl.zeros([ROWS], tl.float32)
             acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
             # Key 0 is visible to row i iff i <= window_q (the other conditions always hold for j=0).
@@ -270,7 +267,7 @@ def _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_
                 if HAS_WQ:
                     sees_key0 = sees_key0 & (pos_q <= window_q)
                 s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale + sink
-                m_i = tl.where(sees_key0, s0, float("-inf"))
+                m_i = tl.where(sees_key0, s0, -1.0e30)
                 l_i = tl.where(sees_key0, 1.0, 0.0)
                 acc = tl.where(sees_key0[:, None], v0[None, :], 0.0)
 
@@ -284,25 +281,25 @@ def _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, 0, n_blocks, first_full, end_full, qk_scale, 2, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
+            BLOCK_N, DOT_PRECISION)
     elif LOOP_LAYOUT == 1:
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, 0, first_full, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
+            BLOCK_N, DOT_PRECISION)
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, first_full, end_full, first_full, end_full, qk_scale, 0, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
+            BLOCK_N, DOT_PRECISION)
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, end_full, n_blocks, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
+            BLOCK_N, DOT_PRECISION)
     else:
         acc, l_i, m_i = _attend_key_blocks(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_d, row_lo, row_hi,
             seq_len, lo, 0, n_blocks, first_full, end_full, qk_scale, 1, EVEN_D, HEAD_DIM,
-            BLOCK_N, DOT_PRECISION, SINK_MODE != 1)
+            BLOCK_N, DOT_PRECISION)
 
     # Valid rows always have l_i > 0 (a query sees itself); padding rows are not stored. One
     # reciprocal per row and a multiply per element: a full-precision divide per element cost ~100
