@@ -321,3 +321,27 @@ def test_minus_inf_null_sink_on_rows_that_see_nothing_in_the_first_block(layout)
            case.b_seq_len, case.sinks, 70)
     check_writes(case)
     check_tolerance(case)
+
+
+# ---- the launch bound once per call signature -------------------------------------------------------
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with a token stride twice as long (another call signature)."""
+    wide = torch.zeros(t.shape[0], 2 * t.shape[1], t.shape[2], dtype=t.dtype, device=t.device)
+    wide[:, :t.shape[1]] = t
+    return wide[:, :t.shape[1]]
+
+
+@pytest.mark.parametrize("sink_mode", ["key0", "null"])
+def test_launch_bound_per_call_signature(sink_mode):
+    """The public call binds its launch (tile shape, strides, scalars) once per signature of shapes,
+    strides, dtypes and options. New tensors of a signature get their own data and lengths right,
+    and tensors that differ only in their strides get a launch of their own."""
+    shape = (4, 2, 32, torch.float32)
+    kw = dict(window_q=5, window_k=5, sink_mode=sink_mode)
+    run(make_case([30, 9], *shape, **kw, generator=_gen(31)))
+    run(make_case([12, 27], *shape, **kw, generator=_gen(32)))  # same signature, other lengths
+    case = make_case([12, 27], *shape, **kw, generator=_gen(33))
+    case.q, case.k, case.v = _strided(case.q), _strided(case.k), _strided(case.v)
+    assert case.q.stride(0) == 2 * 4 * 32
+    run(case)
