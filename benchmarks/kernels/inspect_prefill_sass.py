@@ -5,9 +5,9 @@
 
 Needs Triton with its bundled ptxas / cuobjdump (any Triton wheel for Linux has them); the GPU
 machine's Triton is 3.6, so compile with 3.6 for numbers that match it. Why: Nsight Compute on the
-H200 showed the kernel issue-bound (issue slots 71 % busy, docs/notes/prefill-kernel-log.md run 5),
-so the instruction count per key block and per program is the number to drive down, and it can be
-read here, for free, between GPU runs. Prints registers, spills, shared memory, the instruction
+H200 showed issue slots 67–71 % busy (docs/notes/prefill-kernel-log.md, runs 5 and 8), so the
+instruction count per key block and per program bounds what a change can save, and it can be read
+here, for free, between GPU runs (the time it saves still has to be measured: run 8). Prints registers, spills, shared memory, the instruction
 count of each loop body (a backward branch closes a loop) and outside loops, and the wgmma count.
 """
 

@@ -666,8 +666,8 @@ def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, si
 # Validated and bound calls by their metadata: a ViT calls the op with the same shapes in every
 # layer, and the full checks cost ~20 µs of Python per call (measured), more than the kernel on
 # small inputs.
-_VALIDATED: dict = {}
-_VALIDATED_MAX = 512
+_BOUND_CALLS: dict = {}
+_BOUND_CALLS_MAX = 512
 
 
 def _meta(t):
@@ -699,12 +699,12 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
     args = (q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
             sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     key = _call_key(*args)
-    hit = _VALIDATED.get(key) if key is not None else None
+    hit = _BOUND_CALLS.get(key) if key is not None else None
     if hit is None:
         p = _validate(*args)
         hit = BoundLaunch.bind(p, choose_config(p), q, k, v, o, b_start_loc, b_seq_len, sinks)
         if key is not None:
-            if len(_VALIDATED) >= _VALIDATED_MAX:
-                _VALIDATED.clear()
-            _VALIDATED[key] = hit
+            if len(_BOUND_CALLS) >= _BOUND_CALLS_MAX:
+                _BOUND_CALLS.clear()
+            _BOUND_CALLS[key] = hit
     hit(q, k, v, o, b_start_loc, b_seq_len, sinks, host_length_bound(max_input_len))
