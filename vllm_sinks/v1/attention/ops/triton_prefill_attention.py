@@ -267,7 +267,7 @@ def _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_
                 if HAS_WQ:
                     sees_key0 = sees_key0 & (pos_q <= window_q)
                 s0 = tl.sum(q.to(tl.float32) * k0[None, :], 1) * qk_scale + sink
-                m_i = tl.where(sees_key0, s0, -1.0e30)
+                m_i = tl.maximum(tl.where(sees_key0, s0, -1.0e30), -1.0e30)  # -inf sinks too
                 l_i = tl.where(sees_key0, 1.0, 0.0)
                 acc = tl.where(sees_key0[:, None], v0[None, :], 0.0)
 
