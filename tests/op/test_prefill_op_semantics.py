@@ -307,33 +307,17 @@ def test_random_shapes(draw):
 
 
 @pytest.mark.parametrize("layout", LOOP_LAYOUTS)
-def test_minus_inf_null_sink_on_rows_that_see_nothing_in_the_first_block(layout):
-    """A head whose null-logit sink is -inf (no sink) behaves as no sink, also for rows whose first
-    key block is fully masked (a 32-token tile, 16-key steps, window 3): no inf - inf anywhere."""
-    case = make_case([70, 41], 4, 2, 32, torch.float32, sink_mode="null", is_causal=False,
+@pytest.mark.parametrize("sink_mode", ["null", "key0"])
+def test_minus_inf_sinks_on_rows_that_see_nothing_in_the_first_block(sink_mode, layout):
+    """A -inf sink is no sink: a null logit of -inf adds nothing to the denominator, a key-0 bias of
+    -inf takes key 0 out of the rows that see it. Also for rows whose first key block is fully
+    masked (a 32-token tile, 16-key steps, window 3/2): no inf - inf in the running max."""
+    case = make_case([70, 41], 4, 2, 32, torch.float32, sink_mode=sink_mode, is_causal=False,
                      window_q=3, window_k=2, generator=_gen(8))
     case.sinks[::2] = float("-inf")
     p = _validate(case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, 70,
                   is_causal=False, softmax_scale=None, sliding_window_q=3, sliding_window_k=2,
-                  sinks=case.sinks, sinks_bias_key0=False)
-    launch(p, LaunchConfig(block_t=32, gp=2, block_n=16, num_warps=4, num_stages=1,
-                           loop_layout=layout), case.q, case.k, case.v, case.o, case.b_start_loc,
-           case.b_seq_len, case.sinks, 70)
-    check_writes(case)
-    check_tolerance(case)
-
-
-
-@pytest.mark.parametrize("layout", LOOP_LAYOUTS)
-def test_minus_inf_key0_sink_removes_key0(layout):
-    """A key-0 bias of -inf takes key 0 out of the rows that see it (they attend to the rest of
-    their window), with no inf - inf in the running max."""
-    case = make_case([70, 41], 4, 2, 32, torch.float32, sink_mode="key0", window_q=3, window_k=2,
-                     generator=_gen(9))
-    case.sinks[::2] = float("-inf")
-    p = _validate(case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, 70,
-                  is_causal=False, softmax_scale=None, sliding_window_q=3, sliding_window_k=2,
-                  sinks=case.sinks, sinks_bias_key0=True)
+                  sinks=case.sinks, sinks_bias_key0=sink_mode == "key0")
     launch(p, LaunchConfig(block_t=32, gp=2, block_n=16, num_warps=4, num_stages=1,
                            loop_layout=layout), case.q, case.k, case.v, case.o, case.b_start_loc,
            case.b_seq_len, case.sinks, 70)
