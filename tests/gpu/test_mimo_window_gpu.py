@@ -88,15 +88,20 @@ def test_bf16_window_attention_at_mimo_shapes(images, semantics):
 
 
 def test_no_host_sync_on_max_seqlen():
-    """max_seqlen as MiMo passes it (host tensor) or as a device tensor: the call never syncs."""
+    """max_seqlen as MiMo passes it (host tensor) or as a device tensor: the call never syncs.
+
+    The two run different kernels on the H200 (a host bound lets the op take the Hopper window
+    kernel; a device tensor keeps the Triton kernel, which finds its sequences on the device), so
+    they agree to the bf16 floor, not bit for bit."""
     from vllm_sinks.model_executor.models.mimo_v2_omni import window_attention_with_sinks
+    from vllm_sinks.v1.attention.ops.prefill_attention_reference import relative_l2
 
     lengths = (1024, 4096)
     q, k, v, sinks, cu = _case(lengths, seed=1)
     sinks = sinks.bfloat16()
-    window_attention_with_sinks(q, k, v, cu, max(lengths), WINDOW, sinks)  # compile outside the check
-    torch.cuda.synchronize()
     as_passed = (torch.tensor(max(lengths)), torch.tensor(max(lengths), device="cuda"))
+    for max_seqlen in as_passed:  # compile outside the check
+        window_attention_with_sinks(q, k, v, cu, max_seqlen, WINDOW, sinks)
     torch.cuda.synchronize()
     outs = []
     torch.cuda.set_sync_debug_mode("error")
@@ -105,4 +110,4 @@ def test_no_host_sync_on_max_seqlen():
             outs.append(window_attention_with_sinks(q, k, v, cu, max_seqlen, WINDOW, sinks))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(outs[0], outs[1])
+    assert relative_l2(outs[0], outs[1]) <= 2 * BF16_BOUND  # each within the floor of the truth

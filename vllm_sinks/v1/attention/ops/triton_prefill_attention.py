@@ -44,6 +44,13 @@ Bad input raises ``ValueError`` saying what is wrong. What cannot be checked wit
 offsets and lengths against the number of rows) is clamped on the device instead: the kernel never
 reads or writes outside the tensors.
 
+Two kernels
+-----------
+Sliding windows on Hopper (fp16/bf16, head dim 64, ≥ 4 query heads per KV head, a host-side length
+bound) go to the Gluon kernel in ``gluon_window_attention.py``, which walks each sequence with the
+band resident in shared memory (MiMo 4 × 16384: ~250 µs against ~420 µs here; kernel log, run 9).
+Everything else, and every call under ``TRITON_INTERPRET=1``, runs the Triton kernel below.
+
 Design (H200, MiMo's 32/8 heads, D 64, window 64 is the case that sets the shape of the kernel)
 -----------------------------------------------------------------------------------------------
 - One program = one tile of ``BLOCK_T`` consecutive query tokens of one sequence × ``GP`` query heads
@@ -68,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import normalize_window
 
 _LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
@@ -614,9 +622,13 @@ class BoundLaunch:
     scalars: tuple  # the kernel's scalar arguments after the seven tensors, in order
     grid_kwargs: dict  # constexprs and options, sequence from the grid
     search_kwargs: dict  # constexprs and options, sequence searched on the device
+    # The Hopper window kernel (gluon_window_attention.py) when the call fits it; it needs the
+    # host-side length bound, so calls without one still run the Triton kernel.
+    walk: WalkLaunch | None = None
 
     @classmethod
-    def bind(cls, p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks):
+    def bind(cls, p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks,
+             allow_walk: bool = False):
         if p.queries_per_kv % cfg.gp:
             raise ValueError(f"gp={cfg.gp} must divide the {p.queries_per_kv} query heads per KV head")
         scalars = (p.num_seqs, p.tokens, p.scale * _LOG2E, p.window_q, p.window_k,
@@ -626,13 +638,17 @@ class BoundLaunch:
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.maxnreg and not _INTERPRETING:
             options["maxnreg"] = cfg.maxnreg
+        walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks) if allow_walk else None
         return cls(p, cfg, scalars, {**kernel_constexprs(p, cfg, True), **options},
-                   {**kernel_constexprs(p, cfg, False), **options})
+                   {**kernel_constexprs(p, cfg, False), **options}, walk)
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint: int | None = None):
         """Launch on these tensors (of the bound shapes and strides); see ``launch``."""
         p, cfg = self.p, self.cfg
         if p.tokens == 0 or p.num_seqs == 0:
+            return None
+        if self.walk is not None and max_len_hint is not None and \
+                self.walk(q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint):
             return None
         num_head_groups = p.q_heads // cfg.gp
         if max_len_hint is not None and p.num_seqs <= _MAX_GRID_SEQS:
@@ -652,7 +668,8 @@ class BoundLaunch:
 
 def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks,
            max_len_hint: int | None = None):
-    """Launch for an already validated problem (the benchmark calls this to compare tile shapes).
+    """Launch the Triton kernel for an already validated problem (the benchmark calls this to
+    compare tile shapes, and to time it against the Hopper window kernel).
 
     ``max_len_hint``: a host-side bound on the longest sequence (from ``host_length_bound``) or
     None. With one, programs take their sequence from the grid; a bound that is too small costs
@@ -702,7 +719,8 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
     hit = _BOUND_CALLS.get(key) if key is not None else None
     if hit is None:
         p = _validate(*args)
-        hit = BoundLaunch.bind(p, choose_config(p), q, k, v, o, b_start_loc, b_seq_len, sinks)
+        hit = BoundLaunch.bind(p, choose_config(p), q, k, v, o, b_start_loc, b_seq_len, sinks,
+                               allow_walk=True)
         if key is not None:
             if len(_BOUND_CALLS) >= _BOUND_CALLS_MAX:
                 _BOUND_CALLS.clear()

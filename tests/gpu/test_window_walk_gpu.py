@@ -1,0 +1,158 @@
+"""The Hopper window kernel (gluon_window_attention.py) on the GPU, called directly.
+
+``context_attention_fwd`` dispatches to it for windows in fp16/bf16 at head dim 64 (the op tests in
+test_prefill_op_gpu.py then run through it); here it is called without the dispatcher, so a failure
+points at the kernel: against the fp32 reference with the op's tolerance rule, against the Triton
+kernel, and bitwise against itself under every way of cutting a sequence into programs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from test_prefill_op_gpu import PATTERNS, _packed  # noqa: E402
+
+from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
+from vllm_sinks.v1.attention.ops.gluon_window_attention import (  # noqa: E402
+    WalkLaunch,
+    walk_unavailable,
+)
+from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
+    covered_rows,
+    reference_prefill_attention,
+    relative_l2,
+    same_dtype_torch_error,
+)
+
+if walk_unavailable(torch.device("cuda")):
+    pytest.skip(walk_unavailable(torch.device("cuda")), allow_module_level=True)
+
+WINDOWS = dict(PATTERNS, **{
+    "window-32": dict(is_causal=False, sliding_window_q=32, sliding_window_k=32),
+    "causal-window-64": dict(is_causal=True, sliding_window_q=64, sliding_window_k=0),
+})
+HEADS = {"gqa4": (32, 8), "gqa8": (64, 8), "gqa16": (32, 2), "gqa12": (24, 2)}
+LENS = [700, 1, 0, 300, 129, 16, 17, 63, 64, 65, 2048]
+
+
+def _plan(q, k, v, o, b_start, b_len, max_len, kwargs):
+    kwargs = dict(dict(sliding_window_q=None, sliding_window_k=None, sinks=None,
+                       sinks_bias_key0=False), **kwargs)
+    p = op._validate(q, k, v, o, b_start, b_len, max_len, softmax_scale=None, **kwargs)
+    return WalkLaunch.plan(p, q, k, v, o, b_start, b_len, kwargs.get("sinks"))
+
+
+def _run(q, k, v, b_start, b_len, kwargs, max_len, chunk=None):
+    """Output of one walk launch into a NaN-poisoned buffer one element wider on every side (the
+    launch is planned for that output view: its strides are bound at planning)."""
+    tokens, hq, d = q.shape
+    buf = torch.full((tokens + 2, hq + 1, d + 1), float("nan"), dtype=q.dtype, device=q.device)
+    o = buf[:tokens, :hq, :d]
+    walk = _plan(q, k, v, o, b_start, b_len, max_len, kwargs)
+    assert walk is not None
+    assert walk(q, k, v, o, b_start, b_len, kwargs.get("sinks"), max_len, chunk=chunk)
+    rows = covered_rows(b_start, b_len, tokens)
+    spare = buf.clone()
+    spare[:tokens, :hq, :d][rows] = float("nan")
+    assert torch.isnan(spare).all(), "wrote outside the sequence rows"
+    assert torch.isfinite(o[rows]).all(), "sequence rows not fully written"
+    return o, rows
+
+
+def _args(sink_mode, pattern, sinks):
+    return dict(WINDOWS[pattern], sinks=None if sink_mode == "none" else sinks,
+                sinks_bias_key0=sink_mode == "key0")
+
+
+def test_plan_takes_the_window_shapes_only():
+    q, k, v, sinks, b_start, b_len = _packed([64], 32, 8, 64, torch.bfloat16)
+    o = torch.empty_like(q)
+    mimo = _args("key0", "mimo-window", sinks)
+    assert _plan(q, k, v, o, b_start, b_len, 64, mimo) is not None
+    assert _plan(q, k, v, o, b_start, b_len, 64, _args("null", "gptoss-causal-window", sinks))
+    for kwargs in (dict(is_causal=True), dict(is_causal=False)):  # no window: Triton kernel
+        assert _plan(q, k, v, o, b_start, b_len, 64, kwargs) is None
+    q32, k32, v32 = (t.float() for t in (q, k, v))  # fp32: Triton kernel
+    assert _plan(q32, k32, v32, q32.clone(), b_start, b_len, 64, mimo) is None
+    q2, k2, v2, s2, _, _ = _packed([64], 32, 32, 64, torch.bfloat16)  # MHA: 64-token tiles
+    assert _plan(q2, k2, v2, torch.empty_like(q2), b_start, b_len, 64, _args("key0", "mimo-window", s2)) is None
+    q3, k3, v3, s3, _, _ = _packed([64], 32, 8, 128, torch.bfloat16)  # head dim 128
+    assert _plan(q3, k3, v3, torch.empty_like(q3), b_start, b_len, 64, _args("key0", "mimo-window", s3)) is None
+    assert _plan(q, k, v, o.float(), b_start, b_len, 64, mimo) is None  # o of another dtype
+    # A window whose masked edges span two blocks (100 / 30 at 16-token tiles): Triton kernel.
+    unaligned = dict(mimo, sliding_window_q=100, sliding_window_k=30)
+    assert _plan(q, k, v, o, b_start, b_len, 64, unaligned) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("sink_mode", ["key0", "null", "none"])
+@pytest.mark.parametrize("pattern", list(WINDOWS)[:2] + list(WINDOWS)[4:])
+def test_against_reference_and_triton_kernel(pattern, sink_mode, heads, dtype):
+    hq, hkv = HEADS[heads]
+    q, k, v, sinks, b_start, b_len = _packed(LENS, hq, hkv, 64, dtype, gaps=3, seed=11)
+    kwargs = _args(sink_mode, pattern, sinks)
+    o, rows = _run(q, k, v, b_start, b_len, kwargs, max(LENS))
+    ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **kwargs)
+    base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **kwargs)
+    err = relative_l2(o[rows], ref[rows])
+    assert err <= 2.0 * base, f"walk error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
+    o_triton = torch.empty_like(q)
+    p = op._validate(q, k, v, o_triton, b_start, b_len, max(LENS), softmax_scale=None, **kwargs)
+    op.launch(p, op.choose_config(p), q, k, v, o_triton, b_start, b_len, kwargs["sinks"], max(LENS))
+    assert relative_l2(o[rows], o_triton[rows]) <= 2.0 * base
+
+
+@pytest.mark.parametrize("pattern", ["mimo-window", "gptoss-causal-window"])
+def test_same_bits_however_the_sequences_are_cut(pattern):
+    """Tiles per program (1, 3, 7, the default, all) and a too-small length bound (the last program
+    of each sequence then takes every tile past it) give bit-identical outputs."""
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 32, 8, 64, torch.bfloat16, gaps=1, seed=12)
+    kwargs = _args("key0" if pattern == "mimo-window" else "null", pattern, sinks)
+    first, rows = _run(q, k, v, b_start, b_len, kwargs, max(LENS))
+    for max_len, chunk in ((max(LENS), 1), (max(LENS), 3), (max(LENS), 7), (max(LENS), 10**6),
+                           (64, None), (1, 1), (200, 2)):
+        o, _ = _run(q, k, v, b_start, b_len, kwargs, max_len, chunk)
+        assert torch.equal(o[rows], first[rows]), (max_len, chunk)
+
+
+def test_mimo_shape_through_the_op_uses_the_walk():
+    """The dispatcher binds the walk for MiMo's call, and the result is at the bf16 floor."""
+    q, k, v, sinks, b_start, b_len = _packed([4096] * 4, 32, 8, 64, torch.bfloat16, seed=13)
+    kwargs = _args("key0", "mimo-window", sinks)
+    o = torch.empty_like(q)
+    op._BOUND_CALLS.clear()
+    op.context_attention_fwd(q, k, v, o, b_start, b_len, torch.tensor(4096), **kwargs)
+    (bound,) = op._BOUND_CALLS.values()
+    assert bound.walk is not None
+    ref = reference_prefill_attention(q, k, v, b_start, b_len, **kwargs)
+    assert relative_l2(o, ref) < 4e-3
+
+
+def test_offsets_past_the_buffer_are_clamped():
+    """Offsets are not checked on the host (that would sync), so the kernel clamps them like the
+    Triton kernel: a sequence running past the buffer ends with it, one with a negative start is
+    empty, and nothing outside the tensors is read or written."""
+    q, k, v, sinks, _, _ = _packed([300], 32, 8, 64, torch.bfloat16, seed=14)
+    b_start = torch.tensor([0, 250, -5], dtype=torch.int32, device="cuda")
+    b_len = torch.tensor([120, 200, 10], dtype=torch.int32, device="cuda")
+    kwargs = _args("key0", "mimo-window", sinks)
+    tokens, hq, d = q.shape
+    buf = torch.full((tokens + 40, hq, d), float("nan"), dtype=q.dtype, device="cuda")
+    o = buf[:tokens]
+    walk = _plan(q, k, v, o, b_start, b_len, 200, kwargs)
+    assert walk(q, k, v, o, b_start, b_len, sinks, 200)
+    assert torch.isnan(buf[tokens:]).all(), "wrote past the output tensor"
+    clamped_start = torch.tensor([0, 250], dtype=torch.int32, device="cuda")
+    clamped_len = torch.tensor([120, 50], dtype=torch.int32, device="cuda")
+    rows = covered_rows(clamped_start, clamped_len, tokens)
+    assert torch.isnan(o[~rows]).all() and torch.isfinite(o[rows]).all()
+    ref = reference_prefill_attention(q, k, v, clamped_start, clamped_len, **kwargs)
+    base = same_dtype_torch_error(q, k, v, clamped_start, clamped_len, ref=ref, rows=rows, **kwargs)
+    assert relative_l2(o[rows], ref[rows]) <= 2.0 * base
