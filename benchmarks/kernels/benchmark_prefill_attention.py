@@ -7,8 +7,11 @@ Everything in one run, on one GPU, bf16 inputs, random normal q/k/v, sinks ~ N(0
 
 - ours: ``vllm_sinks...triton_prefill_attention.context_attention_fwd`` as vLLM calls it (launcher
   included; ``max_input_len`` a CPU tensor, as MiMo passes it), ``triton.testing.do_bench`` median
-  (L2 flushed before every call); "device max_len": the same with ``max_input_len`` on the GPU, where
-  the kernel finds each program's sequence by an on-device search instead of the grid;
+  (L2 flushed before every call). "kernel" says which kernel that call ran: the Hopper window
+  kernel (``gluon_window_attention.py``, "walk") where it applies, else the portable Triton kernel;
+  "triton kernel" times the portable kernel on the same call, as the peer in the same run;
+  "device max_len": ``max_input_len`` on the GPU, where the portable kernel finds each program's
+  sequence by an on-device search (the walk needs a host-side bound, so it is not used there);
 - flex: ``torch.compile(flex_attention)`` with a block mask (same sequence, inside the window / causal)
   and, for the key-0 bias, a score_mod adding ``sinks[h]`` where the key is its sequence's first
   token; for the null logit, the output is rescaled by ``sigmoid(lse - sinks[h])`` (same math);
@@ -38,6 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
     reference_prefill_attention,
     relative_l2,
@@ -264,6 +268,12 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
     row["ours_graph_us"] = _bench(graph.replay)
     p = _validate(q, k, v, o, starts, lens, mil, c.is_causal, None, c.window_q, c.window_k, sinks,
                   c.sink_mode == "key0")
+    walk = WalkLaunch.plan(p, q, k, v, o, starts, lens, sinks)
+    row["kernel"] = "walk" if walk is not None else "triton"
+    o_triton = torch.empty_like(q)
+    row["triton_us"] = _bench(
+        lambda: launch(p, choose_config(p), q, k, v, o_triton, starts, lens, sinks, c.seq_len))
+    row["triton_err"] = relative_l2(o_triton, ref)
     row["config"] = dataclasses.asdict(choose_config(p))
     if tuned is not None and tuned != choose_config(p):
         row["tuned_config"] = dataclasses.asdict(tuned)
@@ -306,17 +316,18 @@ def _fmt(x, spec="{:.1f}"):
 def markdown(rows, bandwidth, device_name) -> str:
     out = [f"Device: {device_name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); bf16; "
            "µs = do_bench median (L2 flushed); err = relative L2 vs the fp32 reference.", "",
-           "| case | tokens | heads q/kv | sinks | window | ours | ours (graph) | ours (device "
-           "max_len) | ours (tuned) | flex "
+           "| case | tokens | heads q/kv | sinks | window | kernel | ours | ours (graph) "
+           "| triton kernel | ours (device max_len) | ours (tuned) | flex "
            "| sdpa | floor | ours/floor | flex/ours | upstream (notes) / ours | err ours "
            "| err torch bf16 | err flex | err ours without sinks |",
-           "|---" * 19 + "|"]
+           "|---" * 21 + "|"]
     for r in rows:
         flex, ours = r.get("flex_us"), r["ours_us"]
         up = r.get("upstream_notes_us")
         out.append(
             f"| {r['case']} | {r['tokens']:,} | {r['heads']} | {r['mode']} | {r['window']} "
-            f"| {ours:.1f} | {r['ours_graph_us']:.1f} | {r['ours_search_us']:.1f} "
+            f"| {r['kernel']} | {ours:.1f} | {r['ours_graph_us']:.1f} | {r['triton_us']:.1f} "
+            f"| {r['ours_search_us']:.1f} "
             f"| {_fmt(r.get('ours_tuned_us'))} "
             f"| {_fmt(flex)} | {_fmt(r.get('sdpa_us'))} "
             f"| {r['floor_us']:.1f} | {ours / r['floor_us']:.2f} "
@@ -433,7 +444,8 @@ def main(argv=None):
     for c in cases:
         rows.append(measure_case(c, bandwidth, args, best.get(c.name)))
         r = rows[-1]
-        print(f"{c.name:18s} ours {r['ours_us']:8.1f} µs (graph {r['ours_graph_us']:8.1f}, "
+        print(f"{c.name:18s} ours ({r['kernel']}) {r['ours_us']:8.1f} µs (graph {r['ours_graph_us']:8.1f}, "
+              f"triton kernel {r['triton_us']:8.1f}, "
               f"tuned {_fmt(r.get('ours_tuned_us'))}) "
               f"flex {_fmt(r.get('flex_us'))} sdpa {_fmt(r.get('sdpa_us'))} floor {r['floor_us']:.1f} "
               f"err {r['ours_err']:.2e} (torch bf16 {r['torch_bf16_err']:.2e}) "

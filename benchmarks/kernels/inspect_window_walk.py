@@ -1,0 +1,83 @@
+"""Compile the Hopper window kernel (Gluon) for sm_90a without a GPU: registers, spills, shared
+memory, and its instructions by opcode.
+
+    /tmp/t36/bin/python benchmarks/kernels/inspect_window_walk.py                  # MiMo's shape
+    /tmp/t36/bin/python benchmarks/kernels/inspect_window_walk.py --case gpt-oss --sass out.sass
+
+Needs the GPU machine's Triton (3.6: Gluon's API differs in other releases; see DEVELOPERS.md for
+the venv). What it answers between GPU runs: whether the kernel compiles at all, whether it still
+fits three programs per SM (≤ 168 registers, no spill; ≤ ~75 KB of shared memory), and where its
+instructions go. Timing still needs the device (kernel log, run 9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from benchmarks.kernels.inspect_prefill_sass import _INSTR, _cuobjdump, resources  # noqa: E402
+from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
+
+# (T, GP, queries per KV head, window q, window k, causal, sink mode)
+CASES = {"mimo": (16, 4, 4, 64, 64, False, gw._SINKS_KEY0_BIAS),
+         "gpt-oss": (8, 8, 8, 127, 0, True, gw._SINKS_NULL_LOGIT)}
+_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "Sinks": "*fp32",
+             "StartLoc": "*i32", "SeqLen": "*i32"}
+
+
+def compile_walk(case: str):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    T, gp, qpk, wq, wk, causal, sink_mode = CASES[case]
+    geometry = gw.walk_geometry(T, wq, wk, causal)
+    mid_a, mid_b, mid_c = gw.split_middle(geometry.nb - 2)
+    constexprs = dict(T=T, GP=gp, QUERIES_PER_KV=qpk, MID_A=mid_a, MID_B=mid_b, MID_C=mid_c,
+                      IS_CAUSAL=causal, HAS_WK=wk > 0, SINK_MODE=sink_mode)
+    kernel = gw._window_walk_kernel
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in _POINTERS:
+            signature[name] = _POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "inv_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_") and name not in ("stride_sink", "stride_start",
+                                                            "stride_len"):
+                attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT sees for 64-wide heads
+    src = GluonASTSource(fn=kernel, signature=signature, attrs=attrs,
+                         constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=gw._MAX_REGISTERS))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", choices=sorted(CASES), default="mimo")
+    ap.add_argument("--sass", help="also write the SASS here")
+    args = ap.parse_args(argv)
+    compiled = compile_walk(args.case)
+    sass = _cuobjdump(compiled, "-sass")
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
+    res = resources(compiled)
+    ops = collections.Counter(
+        text.split()[1 if text.startswith("@") else 0].split(".")[0] for _, text in _INSTR.findall(sass))
+    print(f"{args.case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
+          f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions")
+    print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
