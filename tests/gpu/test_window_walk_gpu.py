@@ -80,10 +80,10 @@ def test_plan_takes_the_window_shapes_only():
         assert _plan(q, k, v, o, b_start, b_len, 64, kwargs) is None
     q32, k32, v32 = (t.float() for t in (q, k, v))  # fp32: Triton kernel
     assert _plan(q32, k32, v32, q32.clone(), b_start, b_len, 64, mimo) is None
-    q2, k2, v2, s2, _, _ = _packed([64], 32, 32, 64, torch.bfloat16)  # MHA: 64-token tiles
-    assert _plan(q2, k2, v2, torch.empty_like(q2), b_start, b_len, 64, _args("key0", "mimo-window", s2)) is None
-    q3, k3, v3, s3, _, _ = _packed([64], 32, 8, 128, torch.bfloat16)  # head dim 128
-    assert _plan(q3, k3, v3, torch.empty_like(q3), b_start, b_len, 64, _args("key0", "mimo-window", s3)) is None
+    for hkv, d in ((32, 64), (8, 128)):  # MHA (64-token tiles), head dim 128
+        q2, k2, v2, s2, _, _ = _packed([64], 32, hkv, d, torch.bfloat16)
+        mimo2 = _args("key0", "mimo-window", s2)
+        assert _plan(q2, k2, v2, torch.empty_like(q2), b_start, b_len, 64, mimo2) is None
     assert _plan(q, k, v, o.float(), b_start, b_len, 64, mimo) is None  # o of another dtype
     # A window whose masked edges span two blocks (100 / 30 at 16-token tiles): Triton kernel.
     unaligned = dict(mimo, sliding_window_q=100, sliding_window_k=30)

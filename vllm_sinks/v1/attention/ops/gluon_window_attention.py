@@ -57,7 +57,7 @@ except Exception as e:  # noqa: BLE001 - any failure means "no fast path", said 
 BLOCK_KEYS = 16  # keys per ring slot
 ROWS = 64  # score rows per tile: one wgmma M for one warpgroup
 HEAD_DIM = 64
-_SINKS_NONE, _SINKS_NULL_LOGIT, _SINKS_KEY0_BIAS = 0, 1, 2  # as in triton_prefill_attention
+_SINKS_NULL_LOGIT, _SINKS_KEY0_BIAS = 1, 2  # the kernel's SINK_MODE, as in triton_prefill_attention
 _LOG2E = 1.4426950408889634
 ENV_DISABLE = "VLLM_SINKS_WINDOW_WALK"  # "0" turns the fast path off (A/B timing, bisecting)
 
@@ -78,10 +78,6 @@ class WalkGeometry:
         return self.nb + 1
 
 
-def _floor_div(a: int, b: int) -> int:
-    return a // b  # Python floors; the kernel adds an offset first (its division truncates)
-
-
 def walk_geometry(tokens_per_tile: int, window_q: int, window_k: int, is_causal: bool):
     """The band layout for tiles of ``tokens_per_tile`` tokens, or None when the walk does not fit
     (a side of the band unbounded, more than one block gained per tile, a middle block some query
@@ -99,14 +95,14 @@ def walk_geometry(tokens_per_tile: int, window_q: int, window_k: int, is_causal:
     nb = 0
     for phase in range(0, BLOCK_KEYS, T):
         start = base + phase
-        b0 = _floor_div(start - window_q, BLOCK_KEYS)
+        b0 = (start - window_q) // BLOCK_KEYS  # floors (the kernel offsets first: it truncates)
         last_key = start + T - 1 + reach_k
-        nb = max(nb, _floor_div(last_key, BLOCK_KEYS) - b0 + 1)
+        nb = max(nb, last_key // BLOCK_KEYS - b0 + 1)
     if nb < 3 or (nb - 2) * BLOCK_KEYS > 256:
         return None
     for phase in range(0, BLOCK_KEYS, T):
         start = base + phase
-        b0 = _floor_div(start - window_q, BLOCK_KEYS)
+        b0 = (start - window_q) // BLOCK_KEYS
         mid_lo, mid_hi = (b0 + 1) * BLOCK_KEYS, (b0 + nb - 1) * BLOCK_KEYS - 1
         for i in range(start, start + T):
             # Middle blocks fully visible. (That also cuts the first block only from below and the
@@ -129,7 +125,8 @@ if gluon is not None:
         per-thread offsets ``k_off``/``v_off`` are computed once per program."""
         mask = gl.expand_dims(kb * 16 + key_rows < seq_len, 1)
         first = (kb * 16).to(gl.int64)
-        cols = gl.expand_dims(gl.arange(0, ring_k.shape[2], layout=gl.SliceLayout(0, k_off.type.layout.parent)), 0)
+        col_layout: gl.constexpr = gl.SliceLayout(0, k_off.type.layout.parent)
+        cols = gl.expand_dims(gl.arange(0, ring_k.shape[2], layout=col_layout), 0)
         k_ptr = k_seq + first * stride_kt + (gl.expand_dims(k_off, 1) + cols)
         v_ptr = v_seq + first * stride_vt + (gl.expand_dims(v_off, 1) + cols)
         slot = (kb - kb0) % NS
@@ -144,7 +141,8 @@ if gluon is not None:
         """cp.async the queries of tile ``t``: row r = token t*T + r // GP, head group*GP + r % GP
         (``q_off`` holds each row's offset from the tile's first token, computed once)."""
         mask = gl.expand_dims(t * T + row_tokens < seq_len, 1)
-        cols = gl.expand_dims(gl.arange(0, q_buf.shape[1], layout=gl.SliceLayout(0, q_off.type.layout.parent)), 0)
+        col_layout: gl.constexpr = gl.SliceLayout(0, q_off.type.layout.parent)
+        cols = gl.expand_dims(gl.arange(0, q_buf.shape[1], layout=col_layout), 0)
         ptr = q_seq + (t * T).to(gl.int64) * stride_qt + (gl.expand_dims(q_off, 1) + cols)
         async_copy.async_copy_global_to_shared(q_buf, ptr, mask)
 
@@ -161,20 +159,16 @@ if gluon is not None:
         return gl.convert_layout(gl.max(s, 1), row_layout, assert_trivial=True)
 
     @gluon.jit
-    def _row_sum(p, row_layout: gl.constexpr):
-        return gl.convert_layout(gl.sum(p, 1), row_layout, assert_trivial=True)
-
-    @gluon.jit
     def _mask_below(s, first_key, row_lo):
         """Scores of keys ``first_key …`` below their row's first visible key to -inf."""
-        keys = gl.expand_dims(first_key + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), 0)
-        return gl.where(keys >= _row(row_lo, s), s, float("-inf"))
+        keys = first_key + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        return gl.where(gl.expand_dims(keys, 0) >= _row(row_lo, s), s, float("-inf"))
 
     @gluon.jit
     def _mask_above(s, first_key, row_hi):
         """Scores of keys ``first_key …`` above their row's last visible key to -inf."""
-        keys = gl.expand_dims(first_key + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), 0)
-        return gl.where(keys <= _row(row_hi, s), s, float("-inf"))
+        keys = first_key + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        return gl.where(gl.expand_dims(keys, 0) <= _row(row_hi, s), s, float("-inf"))
 
     @gluon.jit
     def _mask_piece(s, first_key, row_lo, row_hi, bias, KEY0_BIAS: gl.constexpr):
@@ -189,7 +183,8 @@ if gluon is not None:
 
     @gluon.jit
     def _ring_view(ring, slot, N: gl.constexpr, D: gl.constexpr, smem_layout: gl.constexpr):
-        """Keys slot*16 … slot*16 + N - 1 of a doubly mapped ring as one [N, D] view."""
+        """Keys slot*16 … slot*16 + N - 1 of the ring as one [N, D] view (contiguous: the ring's
+        first slots are mirrored past its end)."""
         if N == 16:
             return ring.index(slot)
         else:
@@ -260,7 +255,7 @@ if gluon is not None:
         # Offsets cannot be checked on the host without a sync: clamp them into the buffer (as the
         # Triton kernel does), so no program reads or writes outside the tensors.
         seq_len64 = gl.maximum(gl.minimum(seq_len64, total_tokens - seq_start64), 0)
-        if seq_start64 < 0:
+        if seq_start64 < 0:  # a sequence before the buffer is empty
             seq_len64 = seq_len64 * 0
         seq_len = seq_len64.to(gl.int32)
         tiles = (seq_len + T - 1) // T
@@ -426,14 +421,14 @@ if gluon is not None:
             if SINK_MODE == 1:
                 l += gl.exp2(sink_raw * qk_scale - mc)
 
-            inv_l = gl.convert_layout(1.0 / l, gl.SliceLayout(1, o_layout))
+            inv_l = gl.convert_layout(1.0 / l, gl.SliceLayout(1, o_layout), assert_trivial=True)
             # The output goes out through this tile's query buffer (its wgmma is done): each warp
             # writes the rows its own wgmma read, then reads back rows for 16-byte stores.
             q_s.store((acc * gl.expand_dims(inv_l, 1)).to(dtype))
             gl.thread_barrier()
             out = q_s.load(io_layout)
-            gl.store(o_seq + (t * T).to(gl.int64) * stride_ot + (gl.expand_dims(o_off, 1) + io_cols), out,
-                     mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
+            o_ptr = o_seq + (t * T).to(gl.int64) * stride_ot + (gl.expand_dims(o_off, 1) + io_cols)
+            gl.store(o_ptr, out, mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
         async_copy.wait_group(0)
 
 
@@ -540,7 +535,8 @@ class WalkLaunch:
         default one wave of programs over the bound's tiles, at least 4 tiles each."""
         tiles = triton.cdiv(min(max(max_len_hint, 1), self.tokens), self.tokens_per_tile)
         if chunk is None:
-            per_seq = max(1, (self.sm_count * _PROGRAMS_PER_SM) // (self.head_groups * self.num_seqs))
+            resident = self.sm_count * _PROGRAMS_PER_SM
+            per_seq = max(1, resident // (self.head_groups * self.num_seqs))
             chunk = max(4, triton.cdiv(tiles, per_seq))
         return chunk, triton.cdiv(tiles, chunk)
 
@@ -568,8 +564,9 @@ class WalkLaunch:
             _window_walk_kernel[grid](*args, **self.constexprs)
         except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
             _FAILED_VARIANTS.add(key)
-            warnings.warn(f"vllm-sinks: the Hopper window kernel failed to compile ({type(e).__name__}: "
-                          f"{str(e)[:300]}); using the Triton kernel for this shape", stacklevel=2)
+            warnings.warn(f"vllm-sinks: the Hopper window kernel failed to compile "
+                          f"({type(e).__name__}: {str(e)[:300]}); using the Triton kernel for this "
+                          "shape", stacklevel=2)
             return False
         _COMPILED_VARIANTS.add(key)
         return True
