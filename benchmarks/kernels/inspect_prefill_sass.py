@@ -42,25 +42,29 @@ def mimo_problem(num_seqs=4, seq_len=16384) -> op.Problem:
                       sink_mode=op._SINKS_KEY0_BIAS, scale=64 ** -0.5)
 
 
-def compile_kernel(p: op.Problem, cfg: op.LaunchConfig, seq_from_grid: bool = True):
-    constexprs = op.kernel_constexprs(p, cfg, seq_from_grid)
-    kernel = op._prefill_attention_kernel
-    names = kernel.arg_names
-    signature, attrs = {}, {}
-    for i, n in enumerate(names):
+def signature(kernel, constexprs: dict, floats=frozenset(_FLOATS)):
+    """Argument types and the divisibility hints the JIT would give the op's kernels (bf16
+    tensors, 64-wide heads): without the hints nothing vectorises (kernel log, v1)."""
+    sig, attrs = {}, {}
+    for i, n in enumerate(kernel.arg_names):
         if n in constexprs:
-            signature[n] = "constexpr"
+            sig[n] = "constexpr"
         elif n in _POINTERS:
-            signature[n] = _POINTERS[n]
+            sig[n] = _POINTERS[n]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in _FLOATS:
-            signature[n] = "fp32"
+        elif n in floats:
+            sig[n] = "fp32"
         else:
-            signature[n] = "i32"
+            sig[n] = "i32"
             if n.startswith("stride_") and n not in ("stride_sink", "stride_start", "stride_len"):
-                attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT sees for 64-wide heads
-    src = ASTSource(fn=kernel, signature=signature, attrs=attrs,
-                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
+
+
+def compile_kernel(p: op.Problem, cfg: op.LaunchConfig, seq_from_grid: bool = True):
+    kernel = op._prefill_attention_kernel
+    sig, attrs, constexprs = signature(kernel, op.kernel_constexprs(p, cfg, seq_from_grid))
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=constexprs)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg:
         options["maxnreg"] = cfg.maxnreg

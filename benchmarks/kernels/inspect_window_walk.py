@@ -22,14 +22,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from benchmarks.kernels.inspect_prefill_sass import _INSTR, _cuobjdump, resources  # noqa: E402
+from benchmarks.kernels.inspect_prefill_sass import _INSTR, _cuobjdump, resources, signature  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
+from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
 
 # (T, GP, queries per KV head, window q, window k, causal, sink mode)
-CASES = {"mimo": (16, 4, 4, 64, 64, False, gw._SINKS_KEY0_BIAS),
-         "gpt-oss": (8, 8, 8, 127, 0, True, gw._SINKS_NULL_LOGIT)}
-_POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "Sinks": "*fp32",
-             "StartLoc": "*i32", "SeqLen": "*i32"}
+CASES = {"mimo": (16, 4, 4, 64, 64, False, op._SINKS_KEY0_BIAS),
+         "gpt-oss": (8, 8, 8, 127, 0, True, op._SINKS_NULL_LOGIT)}
 
 
 def compile_walk(case: str):
@@ -38,25 +37,13 @@ def compile_walk(case: str):
     T, gp, qpk, wq, wk, causal, sink_mode = CASES[case]
     geometry = gw.walk_geometry(T, wq, wk, causal)
     mid_a, mid_b, mid_c = gw.split_middle(geometry.nb - 2)
-    constexprs = dict(T=T, GP=gp, QUERIES_PER_KV=qpk, MID_A=mid_a, MID_B=mid_b, MID_C=mid_c,
-                      IS_CAUSAL=causal, HAS_WK=wk > 0, SINK_MODE=sink_mode)
-    kernel = gw._window_walk_kernel
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in _POINTERS:
-            signature[name] = _POINTERS[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "inv_scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride_") and name not in ("stride_sink", "stride_start",
-                                                            "stride_len"):
-                attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT sees for 64-wide heads
-    src = GluonASTSource(fn=kernel, signature=signature, attrs=attrs,
-                         constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    sig, attrs, constexprs = signature(
+        gw._window_walk_kernel,
+        dict(T=T, GP=gp, QUERIES_PER_KV=qpk, MID_A=mid_a, MID_B=mid_b, MID_C=mid_c,
+             IS_CAUSAL=causal, HAS_WK=wk > 0, SINK_MODE=sink_mode),
+        floats={"qk_scale", "inv_scale"})
+    src = GluonASTSource(fn=gw._window_walk_kernel, signature=sig, attrs=attrs,
+                         constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=gw._MAX_REGISTERS))
 

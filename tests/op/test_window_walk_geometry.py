@@ -97,10 +97,8 @@ def test_split_middle(blocks):
     assert pieces[len(nonzero):] == (0,) * (3 - len(nonzero))
 
 
-def test_no_walk_off_the_gpu():
-    """On the CPU (interpreter or not) the planner says why and the op keeps its Triton kernel."""
-    reason = gw.walk_unavailable(torch.device("cpu"))
-    assert reason  # a non-empty reason string
+def _mimo_call():
+    """A small MiMo-shaped call (32 / 8 heads, window ±64, key-0 sinks) and its validated problem."""
     q = torch.randn(40, 32, 64, dtype=torch.float16)
     k = torch.randn(40, 8, 64, dtype=torch.float16)
     v = torch.randn_like(k)
@@ -110,6 +108,14 @@ def test_no_walk_off_the_gpu():
     kwargs = dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
                   sinks_bias_key0=True)
     p = op._validate(q, k, v, o, start, length, 40, softmax_scale=None, **kwargs)
+    return q, k, v, o, start, length, sinks, kwargs, p
+
+
+def test_no_walk_off_the_gpu():
+    """On the CPU (interpreter or not) the planner says why and the op keeps its Triton kernel."""
+    reason = gw.walk_unavailable(torch.device("cpu"))
+    assert reason  # a non-empty reason string
+    q, k, v, o, start, length, sinks, kwargs, p = _mimo_call()
     assert gw.WalkLaunch.plan(p, q, k, v, o, start, length, sinks) is None
     assert op.BoundLaunch.bind(p, op.choose_config(p), q, k, v, o, start, length, sinks,
                                allow_walk=True).walk is None
@@ -138,16 +144,9 @@ def test_a_variant_that_fails_to_compile_falls_back_once(monkeypatch):
 
     monkeypatch.setattr(gw, "_window_walk_kernel", Broken())
     monkeypatch.setattr(gw, "_FAILED_VARIANTS", set())
-    q = torch.randn(40, 32, 64, dtype=torch.float16)
-    k = torch.randn(40, 8, 64, dtype=torch.float16)
-    v = torch.randn_like(k)
-    start, length = torch.tensor([0], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
-    sinks = torch.randn(32)
-    kwargs = dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
-                  sinks_bias_key0=True)
-    o = torch.full_like(q, float("nan"))
-    p = op._validate(q, k, v, o, start, length, 40, softmax_scale=None, **kwargs)
-    walk = gw.WalkLaunch(gp=4, tokens_per_tile=16, num_seqs=1, tokens=40, head_groups=8,
+    q, k, v, o, start, length, sinks, kwargs, p = _mimo_call()
+    o.fill_(float("nan"))
+    walk = gw.WalkLaunch(tokens_per_tile=16, num_seqs=1, tokens=40, head_groups=8,
                          sm_count=132, scalars=(), strides=(), constexprs={}, variant=("v",))
     bound = dataclasses.replace(op.BoundLaunch.bind(p, op.choose_config(p), q, k, v, o, start,
                                                     length, sinks), walk=walk)

@@ -57,8 +57,6 @@ except Exception as e:  # noqa: BLE001 - any failure means "no fast path", said 
 BLOCK_KEYS = 16  # keys per ring slot
 ROWS = 64  # score rows per tile: one wgmma M for one warpgroup
 HEAD_DIM = 64
-_SINKS_NULL_LOGIT, _SINKS_KEY0_BIAS = 1, 2  # the kernel's SINK_MODE, as in triton_prefill_attention
-_LOG2E = 1.4426950408889634
 ENV_DISABLE = "VLLM_SINKS_WINDOW_WALK"  # "0" turns the fast path off (A/B timing, bisecting)
 
 
@@ -159,23 +157,26 @@ if gluon is not None:
         return gl.convert_layout(gl.max(s, 1), row_layout, assert_trivial=True)
 
     @gluon.jit
+    def _keys(s, first_key):
+        """Key positions of piece ``s``'s columns, as a row broadcastable against it."""
+        keys = first_key + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        return gl.expand_dims(keys, 0)
+
+    @gluon.jit
     def _mask_below(s, first_key, row_lo):
         """Scores of keys ``first_key …`` below their row's first visible key to -inf."""
-        keys = first_key + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        return gl.where(gl.expand_dims(keys, 0) >= _row(row_lo, s), s, float("-inf"))
+        return gl.where(_keys(s, first_key) >= _row(row_lo, s), s, float("-inf"))
 
     @gluon.jit
     def _mask_above(s, first_key, row_hi):
         """Scores of keys ``first_key …`` above their row's last visible key to -inf."""
-        keys = first_key + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        return gl.where(gl.expand_dims(keys, 0) <= _row(row_hi, s), s, float("-inf"))
+        return gl.where(_keys(s, first_key) <= _row(row_hi, s), s, float("-inf"))
 
     @gluon.jit
     def _mask_piece(s, first_key, row_lo, row_hi, bias, KEY0_BIAS: gl.constexpr):
         """Scores of keys ``first_key …`` outside [row_lo, row_hi] to -inf; with KEY0_BIAS, key 0's
         logit gets its row's bias first (so the bias only counts where key 0 is visible)."""
-        keys = first_key + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        keys = gl.expand_dims(keys, 0)
+        keys = _keys(s, first_key)
         if KEY0_BIAS:
             s = gl.where(keys == 0, s + _row(bias, s), s)
         visible = (keys >= _row(row_lo, s)) & (keys <= _row(row_hi, s))
@@ -446,6 +447,10 @@ def split_middle(blocks: int):
 _UNAVAILABLE: dict = {}
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def walk_unavailable(device: torch.device) -> str | None:
     """Why the Gluon kernel cannot run on ``device`` (None when it can)."""
     if GLUON_IMPORT_ERROR is not None:
@@ -459,7 +464,7 @@ def walk_unavailable(device: torch.device) -> str | None:
         return "the Triton interpreter cannot run Gluon kernels"
     if device.type != "cuda":
         return f"tensors on {device.type}, not a CUDA GPU"
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _UNAVAILABLE:
         major, minor = torch.cuda.get_device_capability(index)
         _UNAVAILABLE[index] = (None if major == 9 else
@@ -475,7 +480,7 @@ _SM_COUNT: dict = {}
 
 
 def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
@@ -485,7 +490,6 @@ def _sm_count(device: torch.device) -> int:
 class WalkLaunch:
     """A validated problem bound to the Gluon kernel (``plan`` says whether it fits)."""
 
-    gp: int
     tokens_per_tile: int
     num_seqs: int
     tokens: int
@@ -518,7 +522,7 @@ class WalkLaunch:
         if mids is None:
             return None
         band_offset = BLOCK_KEYS * -(-p.window_q // BLOCK_KEYS)
-        scalars = (p.tokens, p.scale * _LOG2E, 1.0 / p.scale, p.window_q, p.window_k, band_offset)
+        scalars = (p.tokens, p.log2_scale, 1.0 / p.scale, p.window_q, p.window_k, band_offset)
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    o.stride(0), o.stride(1), sinks.stride(0) if sinks is not None else 0,
                    b_start_loc.stride(0), b_seq_len.stride(0))
@@ -526,7 +530,7 @@ class WalkLaunch:
                           MID_A=mids[0], MID_B=mids[1], MID_C=mids[2], IS_CAUSAL=p.is_causal,
                           HAS_WK=p.window_k > 0, SINK_MODE=p.sink_mode, num_warps=4,
                           maxnreg=_MAX_REGISTERS)
-        return cls(gp, geometry.tokens_per_tile, p.num_seqs, p.tokens, p.q_heads // gp,
+        return cls(geometry.tokens_per_tile, p.num_seqs, p.tokens, p.q_heads // gp,
                    _sm_count(q.device), scalars, strides, constexprs,
                    tuple(sorted(constexprs.items())) + (p.dtype, ))
 
@@ -557,12 +561,11 @@ class WalkLaunch:
             self._by_bound[(max_len_hint, chunk)] = bound
         grid, tail = bound
         args = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len, *tail)
-        if key in _COMPILED_VARIANTS:
-            _window_walk_kernel[grid](*args, **self.constexprs)
-            return True
         try:  # the first launch of a variant compiles it
             _window_walk_kernel[grid](*args, **self.constexprs)
         except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
+            if key in _COMPILED_VARIANTS:
+                raise  # it compiled before: a real launch error, not the compiler's
             _FAILED_VARIANTS.add(key)
             warnings.warn(f"vllm-sinks: the Hopper window kernel failed to compile "
                           f"({type(e).__name__}: {str(e)[:300]}); using the Triton kernel for this "

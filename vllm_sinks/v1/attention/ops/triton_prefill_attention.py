@@ -450,6 +450,11 @@ class Problem:
     scale: float
 
     @property
+    def log2_scale(self) -> float:
+        """The logit scale in base 2 (both kernels take the softmax with exp2)."""
+        return self.scale * _LOG2E
+
+    @property
     def queries_per_kv(self) -> int:
         return self.q_heads // self.kv_heads
 
@@ -631,7 +636,7 @@ class BoundLaunch:
              allow_walk: bool = False):
         if p.queries_per_kv % cfg.gp:
             raise ValueError(f"gp={cfg.gp} must divide the {p.queries_per_kv} query heads per KV head")
-        scalars = (p.num_seqs, p.tokens, p.scale * _LOG2E, p.window_q, p.window_k,
+        scalars = (p.num_seqs, p.tokens, p.log2_scale, p.window_q, p.window_k,
                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    o.stride(0), o.stride(1), sinks.stride(0) if sinks is not None else 0,
                    b_start_loc.stride(0), b_seq_len.stride(0))
