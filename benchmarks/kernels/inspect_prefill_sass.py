@@ -29,17 +29,19 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
+from vllm_sinks.v1.attention.ops import prefill_attention_portable as op  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import SINKS_KEY0_BIAS, Problem  # noqa: E402
 
 _POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "Sinks": "*fp32",
              "StartLoc": "*i32", "SeqLen": "*i32"}
 _FLOATS = {"qk_scale"}
 
 
-def mimo_problem(num_seqs=4, seq_len=16384) -> op.Problem:
-    return op.Problem(tokens=num_seqs * seq_len, num_seqs=num_seqs, q_heads=32, kv_heads=8,
-                      head_dim=64, dtype=torch.bfloat16, is_causal=False, window_q=64, window_k=64,
-                      sink_mode=op._SINKS_KEY0_BIAS, scale=64 ** -0.5)
+def mimo_problem(num_seqs=4, seq_len=16384) -> Problem:
+    return Problem(tokens=num_seqs * seq_len, num_seqs=num_seqs, q_heads=32, kv_heads=8,
+                   head_dim=64, dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                   device=torch.device("cuda"), is_causal=False, window_q=64, window_k=64,
+                   sink_mode=SINKS_KEY0_BIAS, scale=64 ** -0.5, host_bound=True)
 
 
 def signature(kernel, constexprs: dict, floats=frozenset(_FLOATS)):
@@ -61,7 +63,7 @@ def signature(kernel, constexprs: dict, floats=frozenset(_FLOATS)):
     return sig, attrs, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
 
 
-def compile_kernel(p: op.Problem, cfg: op.LaunchConfig, seq_from_grid: bool = True):
+def compile_kernel(p: Problem, cfg: op.LaunchConfig, seq_from_grid: bool = True):
     kernel = op._prefill_attention_kernel
     sig, attrs, constexprs = signature(kernel, op.kernel_constexprs(p, cfg, seq_from_grid))
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=constexprs)

@@ -24,11 +24,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from benchmarks.kernels.inspect_prefill_sass import _INSTR, _cuobjdump, resources, signature  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
-from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import SINKS_KEY0_BIAS, SINKS_NULL_LOGIT  # noqa: E402
 
 # (T, GP, queries per KV head, window q, window k, causal, sink mode)
-CASES = {"mimo": (16, 4, 4, 64, 64, False, op._SINKS_KEY0_BIAS),
-         "gpt-oss": (8, 8, 8, 127, 0, True, op._SINKS_NULL_LOGIT)}
+CASES = {"mimo": (16, 4, 4, 64, 64, False, SINKS_KEY0_BIAS),
+         "gpt-oss": (8, 8, 8, 127, 0, True, SINKS_NULL_LOGIT)}
 
 
 def compile_walk(case: str):
@@ -36,10 +36,9 @@ def compile_walk(case: str):
 
     T, gp, qpk, wq, wk, causal, sink_mode = CASES[case]
     geometry = gw.walk_geometry(T, wq, wk, causal)
-    mid_a, mid_b, mid_c = gw.split_middle(geometry.nb - 2)
     sig, attrs, constexprs = signature(
         gw._window_walk_kernel,
-        dict(T=T, GP=gp, QUERIES_PER_KV=qpk, MID_A=mid_a, MID_B=mid_b, MID_C=mid_c,
+        dict(T=T, GP=gp, QUERIES_PER_KV=qpk, NB=geometry.nb,
              IS_CAUSAL=causal, HAS_WK=wk > 0, SINK_MODE=sink_mode),
         floats={"qk_scale", "inv_scale"})
     src = GluonASTSource(fn=gw._window_walk_kernel, signature=sig, attrs=attrs,

@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
 from test_prefill_op_gpu import PATTERNS, _packed  # noqa: E402
 
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_portable import choose_config, launch  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate  # noqa: E402
 from vllm_sinks.v1.attention.ops.gluon_window_attention import (  # noqa: E402
     WalkLaunch,
     walk_unavailable,
@@ -44,7 +46,7 @@ LENS = [700, 1, 0, 300, 129, 16, 17, 63, 64, 65, 2048]
 def _plan(q, k, v, o, b_start, b_len, max_len, kwargs):
     kwargs = dict(dict(sliding_window_q=None, sliding_window_k=None, sinks=None,
                        sinks_bias_key0=False), **kwargs)
-    p = op._validate(q, k, v, o, b_start, b_len, max_len, softmax_scale=None, **kwargs)
+    p = validate(q, k, v, o, b_start, b_len, max_len, softmax_scale=None, **kwargs)
     return WalkLaunch.plan(p, q, k, v, o, b_start, b_len, kwargs.get("sinks"))
 
 
@@ -104,8 +106,8 @@ def test_against_reference_and_triton_kernel(pattern, sink_mode, heads, dtype):
     err = relative_l2(o[rows], ref[rows])
     assert err <= 2.0 * base, f"walk error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
     o_triton = torch.empty_like(q)
-    p = op._validate(q, k, v, o_triton, b_start, b_len, max(LENS), softmax_scale=None, **kwargs)
-    op.launch(p, op.choose_config(p), q, k, v, o_triton, b_start, b_len, kwargs["sinks"], max(LENS))
+    p = validate(q, k, v, o_triton, b_start, b_len, max(LENS), softmax_scale=None, **kwargs)
+    launch(p, choose_config(p), q, k, v, o_triton, b_start, b_len, kwargs["sinks"], max(LENS))
     assert relative_l2(o[rows], o_triton[rows]) <= 2.0 * base
 
 
@@ -127,10 +129,8 @@ def test_mimo_shape_through_the_op_uses_the_walk():
     q, k, v, sinks, b_start, b_len = _packed([4096] * 4, 32, 8, 64, torch.bfloat16, seed=13)
     kwargs = _args("key0", "mimo-window", sinks)
     o = torch.empty_like(q)
-    op._BOUND_CALLS.clear()
     op.context_attention_fwd(q, k, v, o, b_start, b_len, torch.tensor(4096), **kwargs)
-    (bound,) = op._BOUND_CALLS.values()
-    assert bound.walk is not None
+    assert op.plan(q, k, v, o, b_start, b_len, torch.tensor(4096), **kwargs).kernel == "walk"
     ref = reference_prefill_attention(q, k, v, b_start, b_len, **kwargs)
     assert relative_l2(o, ref) < 4e-3
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from prefill_op_cases import DEVICE
-from vllm_sinks.v1.attention.ops.triton_prefill_attention import _key_band
+from vllm_sinks.v1.attention.ops.prefill_attention_portable import _key_band
 
 
 @triton.jit

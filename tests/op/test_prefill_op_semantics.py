@@ -17,13 +17,9 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
     relative_l2,
     same_dtype_torch_error,
 )
-from vllm_sinks.v1.attention.ops.triton_prefill_attention import (
-    LOOP_LAYOUTS,
-    LaunchConfig,
-    _validate,
-    context_attention_fwd,
-    launch,
-)
+from vllm_sinks.v1.attention.ops.prefill_attention_portable import LOOP_LAYOUTS, LaunchConfig, launch
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate
+from vllm_sinks.v1.attention.ops.triton_prefill_attention import context_attention_fwd
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -257,7 +253,7 @@ HINTS = {"exact": 70, "too-small": 1, "too-large": 1000, "search": None}
 def test_tile_shapes_against_reference(cfg, win, layout):
     case = make_case([70, 7, 0, 41], 8, 2, 32, torch.float32, gaps=1, sink_mode="key0",
                      generator=_gen(21), **win)
-    p = _validate(case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, 100,
+    p = validate(case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, 100,
                   softmax_scale=None, sliding_window_q=win["window_q"],
                   sliding_window_k=win["window_k"], is_causal=win["is_causal"], sinks=case.sinks,
                   sinks_bias_key0=True)
@@ -315,7 +311,7 @@ def test_minus_inf_sinks_on_rows_that_see_nothing_in_the_first_block(sink_mode, 
     case = make_case([70, 41], 4, 2, 32, torch.float32, sink_mode=sink_mode, is_causal=False,
                      window_q=3, window_k=2, generator=_gen(8))
     case.sinks[::2] = float("-inf")
-    p = _validate(case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, 70,
+    p = validate(case.q, case.k, case.v, case.o, case.b_start_loc, case.b_seq_len, 70,
                   is_causal=False, softmax_scale=None, sliding_window_q=3, sliding_window_k=2,
                   sinks=case.sinks, sinks_bias_key0=sink_mode == "key0")
     launch(p, LaunchConfig(block_t=32, gp=2, block_n=16, num_warps=4, num_stages=1,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from prefill_op_cases import DEVICE
+from vllm_sinks.v1.attention.ops import prefill_attention_problem as problem
 from vllm_sinks.v1.attention.ops.triton_prefill_attention import context_attention_fwd
 
 T, HQ, HKV, D = 12, 4, 2, 32
@@ -80,7 +81,9 @@ def test_devices_must_match():
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("CPU tensors only")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # The kernels were decorated under the interpreter (read once, at import, as Triton does):
+    # what the op checks is that same reading.
+    monkeypatch.setattr(problem, "INTERPRETING", False)
     with pytest.raises(ValueError, match="needs a GPU"):
         call(q=torch.randn(T, HQ, 16), k=torch.randn(T, HKV, 16), v=torch.randn(T, HKV, 16),
              o=torch.empty(T, HQ, 16))  # fresh shapes: not in the launcher's cache of checked calls

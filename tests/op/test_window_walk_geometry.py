@@ -15,6 +15,7 @@ import torch
 
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
     reference_prefill_attention,
     relative_l2,
@@ -70,7 +71,7 @@ def test_geometry_accepts_exactly_the_bands_whose_shortcuts_are_exact(T):
     for wq, wk, causal in WINDOWS:
         g = gw.walk_geometry(T, wq, wk, causal)
         nb = _smallest_band(T, wq, wk, causal)
-        fits = 3 <= nb and (nb - 2) * B <= 256 and _band_claims(T, wq, wk, causal, nb)
+        fits = 3 <= nb <= gw.MAX_BAND_BLOCKS and _band_claims(T, wq, wk, causal, nb)
         assert (g is not None) == fits, (T, wq, wk, causal, g, nb)
         if g is not None:
             assert g.nb == nb and g.ns == nb + 1 and g.tokens_per_tile == T
@@ -85,16 +86,11 @@ def test_geometry_of_the_shapes_that_matter():
     assert gw.walk_geometry(32, 64, 64, False) is None  # 32-token tiles gain two blocks per tile
 
 
-@pytest.mark.parametrize("blocks", range(0, 20))
-def test_split_middle(blocks):
-    pieces = gw.split_middle(blocks)
-    if blocks == 0 or bin(blocks).count("1") > 3:
-        assert pieces is None
-        return
-    nonzero = [p for p in pieces if p]
-    assert sum(pieces) == blocks and len(pieces) == 3
-    assert all(p & (p - 1) == 0 for p in nonzero) and nonzero == sorted(nonzero, reverse=True)
-    assert pieces[len(nonzero):] == (0,) * (3 - len(nonzero))
+def test_geometry_caps_the_band_at_what_registers_hold():
+    """Every slot's scores stay in registers: a window wider than MAX_BAND_BLOCKS blocks is left to
+    the Triton kernel rather than spilled."""
+    assert gw.walk_geometry(16, gw.MAX_BAND_BLOCKS * B, 0, True) is None
+    assert gw.walk_geometry(16, (gw.MAX_BAND_BLOCKS - 1) * B, 0, True).nb == gw.MAX_BAND_BLOCKS
 
 
 def _mimo_call():
@@ -107,7 +103,7 @@ def _mimo_call():
     sinks = torch.randn(32)
     kwargs = dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
                   sinks_bias_key0=True)
-    p = op._validate(q, k, v, o, start, length, 40, softmax_scale=None, **kwargs)
+    p = validate(q, k, v, o, start, length, 40, softmax_scale=None, **kwargs)
     return q, k, v, o, start, length, sinks, kwargs, p
 
 
@@ -117,8 +113,7 @@ def test_no_walk_off_the_gpu():
     assert reason  # a non-empty reason string
     q, k, v, o, start, length, sinks, kwargs, p = _mimo_call()
     assert gw.WalkLaunch.plan(p, q, k, v, o, start, length, sinks) is None
-    assert op.BoundLaunch.bind(p, op.choose_config(p), q, k, v, o, start, length, sinks,
-                               allow_walk=True).walk is None
+    assert op.plan(q, k, v, o, start, length, 40, **kwargs).kernel == "triton"
 
 
 def test_the_kernel_is_gated_to_the_tested_triton(monkeypatch):
@@ -142,19 +137,19 @@ def test_a_variant_that_fails_to_compile_falls_back_once(monkeypatch):
                 raise RuntimeError("no such Gluon op")
             return run
 
-    monkeypatch.setattr(gw, "_window_walk_kernel", Broken())
     monkeypatch.setattr(gw, "_FAILED_VARIANTS", set())
     q, k, v, o, start, length, sinks, kwargs, p = _mimo_call()
     o.fill_(float("nan"))
+    monkeypatch.setattr(gw, "_LAUNCHER", gw.DirectLauncher(Broken()))
     walk = gw.WalkLaunch(tokens_per_tile=16, num_seqs=1, tokens=40, head_groups=8,
-                         sm_count=132, scalars=(), strides=(), constexprs={}, variant=("v",))
-    bound = dataclasses.replace(op.BoundLaunch.bind(p, op.choose_config(p), q, k, v, o, start,
-                                                    length, sinks), walk=walk)
+                         sm_count=132, scalars=(), strides=(), constexprs={}, options={},
+                         variant=("v",))
+    chosen = dataclasses.replace(op.plan(q, k, v, o, start, length, 40, **kwargs), walk=walk)
     with pytest.warns(UserWarning, match="failed to compile"):
-        bound(q, k, v, o, start, length, sinks, 40)
+        chosen(q, k, v, o, start, length, sinks, 40)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        bound(q, k, v, o, start, length, sinks, 40)  # no second try, no second warning
+        chosen(q, k, v, o, start, length, sinks, 40)  # no second try, no second warning
     assert len(calls) == 1
     ref = reference_prefill_attention(q, k, v, start, length, dtype=torch.float64, **kwargs)
     assert torch.isfinite(o).all() and relative_l2(o, ref) < 1e-3  # the Triton kernel's output
