@@ -32,7 +32,10 @@ pytestmark = pytest.mark.skipif(not (PEERS_DIR / peers.UPSTREAM_FILE).is_file(),
                                 reason=f"upstream op not fetched ({PEERS_DIR / peers.UPSTREAM_FILE}; "
                                        "run benchmarks/kernels/fetch_peers.sh .gpu/peers)")
 
-TOL = 1e-5  # fp32 inputs against the fp64 reference
+# fp32 inputs against the fp64 reference. The interpreter computes upstream's fp32 dots in IEEE fp32;
+# compiled on a GPU they run in TF32 (upstream leaves tl.dot's default precision; ours asks for IEEE),
+# about 1e-3 relative: that bound is an estimate, not yet measured on the device.
+TOL = 1e-5 if DEVICE == "cpu" else 1e-2
 
 # (lens, window_q, window_k, is_causal)
 SHAPES = {
