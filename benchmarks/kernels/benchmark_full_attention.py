@@ -144,9 +144,17 @@ def measure(s: FullShape, device, dtype, ours, upstream, fa3, bench) -> dict:
         except Exception as e:  # noqa: BLE001 - a peer failing must not hide the other numbers
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
 
+    from vllm_sinks.v1.attention.ops.triton_prefill_attention import plan, use_upstream_op
+
+    use_upstream_op(None)  # "ours": our kernels only
     run("ours", lambda o: ours(q, k, v, o, starts, lens, max_len, is_causal=False))
     if upstream is not None:
         run("upstream", lambda o: upstream(q, k, v, o, starts, lens, max_len, is_causal=False))
+        # What the op does where the prefill-op patch registered upstream's op (as in vLLM).
+        use_upstream_op(upstream)
+        row["kernel"] = plan(q, k, v, q, starts, lens, max_len, is_causal=False).kernel
+        run("dispatch", lambda o: ours(q, k, v, o, starts, lens, max_len, is_causal=False))
+        use_upstream_op(None)
     if fa3 is not None:
         cu = cu_seqlens_from(starts, lens)
         run("fa3", lambda o: fa3(q, k, v, o, cu, max_len, causal=False))
@@ -162,15 +170,18 @@ def _f(x, spec="{:.1f}"):
 
 def markdown(rows, header: str, with_fa3: bool) -> str:
     cols = ["shape", "sequences", "tokens", "heads q/kv", "D", "ours µs", "upstream µs",
-            "ours vs upstream (upstream µs / ours µs)"]
+            "ours vs upstream (upstream µs / ours µs)", "dispatch: kernel", "dispatch µs",
+            "dispatch vs upstream"]
     if with_fa3:
         cols += ["fa3 µs", "ours vs fa3 (fa3 µs / ours µs)"]
     cols += ["upstream µs (notes)", "err ours", "err upstream"] + (["err fa3"] if with_fa3 else [])
     out = [header, "", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     for r in rows:
         ours, up, fa = r.get("ours_us"), r.get("upstream_us"), r.get("fa3_us")
+        disp = r.get("dispatch_us")
         cells = [r["shape"], r["batch"], f"{r['tokens']:,}", r["heads"], str(r["head_dim"]), _f(ours), _f(up),
-                 _f(up / ours if ours and up else None, "{:.2f}×")]
+                 _f(up / ours if ours and up else None, "{:.2f}×"), r.get("kernel", "—"), _f(disp),
+                 _f(up / disp if disp and up else None, "{:.2f}×")]
         if with_fa3:
             cells += [_f(fa), _f(fa / ours if ours and fa else None, "{:.2f}×")]
         cells += [_f(r.get("upstream_notes_us")), _f(r.get("ours_err"), "{:.2e}"),
@@ -179,7 +190,7 @@ def markdown(rows, header: str, with_fa3: bool) -> str:
             cells.append(_f(r.get("fa3_err"), "{:.2e}"))
         out.append("| " + " | ".join(cells) + " |")
     errors = [f"- {r['shape']}: {name}: {r[f'{name}_error']}" for r in rows
-              for name in ("ours", "upstream", "fa3") if f"{name}_error" in r]
+              for name in ("ours", "upstream", "dispatch", "fa3") if f"{name}_error" in r]
     if errors:
         out += ["", "Failed calls:"] + errors
     return "\n".join(out) + "\n"

@@ -12,19 +12,22 @@ Everything in one run, on one GPU, bf16 inputs, random normal q/k/v, sinks ~ N(0
   "triton kernel" times the portable kernel on the same call, as the peer in the same run;
   "device max_len": ``max_input_len`` on the GPU, where the portable kernel finds each program's
   sequence by an on-device search (the walk needs a host-side bound, so it is not used there);
-- flex: ``torch.compile(flex_attention)`` with a block mask (same sequence, inside the window / causal)
+- flex (``--flex``): ``torch.compile(flex_attention)`` with a block mask (same sequence, inside the window / causal)
   and, for the key-0 bias, a score_mod adding ``sinks[h]`` where the key is its sequence's first
   token; for the null logit, the output is rescaled by ``sigmoid(lse - sinks[h])`` (same math);
-- sdpa: ``scaled_dot_product_attention`` over the sequences as a batch (all sequences of a case have one
+- sdpa (``--sdpa-mask-gib``): ``scaled_dot_product_attention`` over the sequences as a batch (all sequences of a case have one
   length) with a dense additive mask [Hq, L, L] (null logit: one extra zero key whose mask entry is the
   sink), where the mask fits in ``--sdpa-mask-gib``;
 - floor: bytes of q, k, v read once and o written once, over the device-to-device copy bandwidth
   measured at the start of the same run;
 - err: ‖out − ref‖ / ‖ref‖ against the fp32 banded reference in the package.
 
+- upstream: vLLM 0.33.0's own ``context_attention_fwd`` and fa3: vLLM's FlashAttention-3 (null-logit
+  sinks as ``s_aux``; it has no key-0 mode, so key-0 rows time it with null sinks), both loaded from
+  the files ``benchmarks/kernels/fetch_peers.sh`` fetched (``--peers``; no vLLM on the GPU machine);
+- host: CPU µs per call once a call signature has been seen (the launch path, no kernel time).
+
 Writes ``prefill_attention.md`` and ``prefill_attention.json`` under ``--out``.
-The "upstream" column is not measured here (no vLLM on the GPU machine): it is vLLM 0.33.0's op as
-recorded in the project's op-baseline notes, on the same kind of machine.
 """
 
 from __future__ import annotations
@@ -41,26 +44,21 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
     reference_prefill_attention,
     relative_l2,
     same_dtype_torch_attention,
 )
-from vllm_sinks.v1.attention.ops.triton_prefill_attention import (  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_portable import (  # noqa: E402
     LaunchConfig,
-    _validate,
     choose_config,
-    context_attention_fwd,
     launch,
 )
-
-# vLLM 0.33.0's op on the H200, µs (op-baselines notes, 2026-11-30): not re-measured in this run.
-UPSTREAM_NOTES_US = {
-    "seed 1x4096": 42.5, "mimo 1x4096": 129.8, "mimo 4x4096": 465.2, "mimo 16x1024": 448.5,
-    "mimo 1x16384": 472.7, "mimo 4x16384": 1846.8,
-}
-
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate as _validate  # noqa: E402
+from vllm_sinks.v1.attention.ops.triton_prefill_attention import (  # noqa: E402
+    context_attention_fwd,
+    plan,
+)
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -268,10 +266,11 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
     with torch.cuda.graph(graph):
         ours()
     row["ours_graph_us"] = _bench(graph.replay)
+    row["host_us"] = host_us(ours)
     p = _validate(q, k, v, o, starts, lens, mil, c.is_causal, None, c.window_q, c.window_k, sinks,
                   c.sink_mode == "key0")
-    walk = WalkLaunch.plan(p, q, k, v, o, starts, lens, sinks)
-    row["kernel"] = "walk" if walk is not None else "triton"
+    row["kernel"] = plan(q, k, v, o, starts, lens, mil, **kwargs).kernel
+    _peer_columns(row, c, q, k, v, sinks, starts, lens, ref, args.peers_loaded)
     o_triton = torch.empty_like(q)
     row["triton_us"] = _bench(
         lambda: launch(p, choose_config(p), q, k, v, o_triton, starts, lens, sinks, c.seq_len))
@@ -283,8 +282,7 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
             lambda: launch(p, tuned, q, k, v, o, starts, lens, sinks, c.seq_len))
         row["ours_tuned_err"] = relative_l2(o, ref)
     row["floor_us"] = floor_us(c, bandwidth)
-    row["upstream_notes_us"] = UPSTREAM_NOTES_US.get(c.name)
-    flex_wanted = not args.no_flex and (not args.flex_cases or any(
+    flex_wanted = args.flex and (not args.flex_cases or any(
         w.strip() and w.strip() in c.name for w in args.flex_cases.split(",")))
     if flex_wanted:
         try:
@@ -304,6 +302,52 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
     return row
 
 
+def host_us(fn, calls: int = 200) -> float:
+    """CPU µs per call of ``fn`` once its call signature has been seen: a CPU timer around
+    ``calls`` calls, the GPU work only queued (synchronised before and after, outside the timer)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def _peer_columns(row, c: Case, q, k, v, sinks, starts, lens, ref, peers_loaded):
+    """Upstream vLLM's op and vLLM's FlashAttention-3, on the same inputs in the same run. FA3 has
+    no key-0 mode: key-0 rows time FA3 with the same sinks as null logits (its speed is the bar;
+    its error there is not comparable and is left out)."""
+    upstream, fa3 = peers_loaded
+    if upstream is not None:
+        o = torch.full_like(q, float("nan"))
+        try:
+            upstream(q, k, v, o, starts, lens, c.seq_len, **_op_kwargs(c, sinks))
+            row["upstream_err"] = relative_l2(o, ref)
+            row["upstream_us"] = _bench(
+                lambda: upstream(q, k, v, o, starts, lens, c.seq_len, **_op_kwargs(c, sinks)))
+        except Exception as e:  # noqa: BLE001 - a peer failing must not hide our numbers
+            row["upstream_error"] = f"{type(e).__name__}: {e}"[:300]
+    if fa3 is not None:
+        from benchmarks.kernels.peers import cu_seqlens_from
+
+        o = torch.full_like(q, float("nan"))
+        cu = cu_seqlens_from(starts, lens)
+        sinks_bf16 = sinks.to(torch.bfloat16)  # what FA3 takes: not a conversion per timed call
+
+        def run():
+            fa3(q, k, v, o, cu, c.seq_len, causal=c.is_causal, window_left=c.window_q,
+                window_right=c.window_k, sinks=sinks_bf16)
+        try:
+            run()
+            if c.sink_mode == "null":
+                row["fa3_err"] = relative_l2(o, ref)
+            row["fa3_us"] = _bench(run)
+        except Exception as e:  # noqa: BLE001
+            row["fa3_error"] = f"{type(e).__name__}: {e}"[:300]
+
+
 def _ours_without_sinks(c, q, k, v, starts, lens, mil):
     o = torch.empty_like(q)
     context_attention_fwd(q, k, v, o, starts, lens, mil, is_causal=c.is_causal,
@@ -315,30 +359,43 @@ def _fmt(x, spec="{:.1f}"):
     return "—" if x is None else spec.format(x)
 
 
+def _ratio(num, den):
+    return _fmt(num / den if num and den else None, "{:.2f}×")
+
+
 def markdown(rows, bandwidth, device_name) -> str:
     out = [f"Device: {device_name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); bf16; "
-           "µs = do_bench median (L2 flushed); err = relative L2 vs the fp32 reference.", "",
-           "| case | tokens | heads q/kv | sinks | window | kernel | ours | ours (graph) "
-           "| triton kernel | ours (device max_len) | ours (tuned) | flex "
-           "| sdpa | floor | ours/floor | flex/ours | upstream (notes) / ours | err ours "
-           "| err triton kernel | err torch bf16 | err flex | err ours without sinks |",
-           "|---" * 22 + "|"]
+           "µs = do_bench median (L2 flushed); host = CPU µs per call of a seen signature; "
+           "upstream = vLLM 0.33.0's op and fa3 = vLLM's FlashAttention-3 (null sinks; key-0 rows: "
+           "the same sinks as null logits, time only), both in this run; err = relative L2 vs the "
+           "fp32 reference.", "",
+           "| case | kernel | ours | graph | host | triton kernel | upstream | fa3 | floor "
+           "| ours/floor | upstream/ours | fa3/ours | flex/ours | err ours | err upstream | err fa3 "
+           "| err triton kernel | err torch bf16 | err without sinks |",
+           "|---" * 19 + "|"]
     for r in rows:
-        flex, ours = r.get("flex_us"), r["ours_us"]
-        up = r.get("upstream_notes_us")
+        ours = r["ours_us"]
         out.append(
-            f"| {r['case']} | {r['tokens']:,} | {r['heads']} | {r['mode']} | {r['window']} "
-            f"| {r['kernel']} | {ours:.1f} | {r['ours_graph_us']:.1f} | {r['triton_us']:.1f} "
-            f"| {r['ours_search_us']:.1f} "
-            f"| {_fmt(r.get('ours_tuned_us'))} "
-            f"| {_fmt(flex)} | {_fmt(r.get('sdpa_us'))} "
-            f"| {r['floor_us']:.1f} | {ours / r['floor_us']:.2f} "
-            f"| {_fmt(flex / ours if flex else None, '{:.1f}×')} "
-            f"| {_fmt(up / ours if up else None, '{:.1f}×')} | {r['ours_err']:.2e} "
-            f"| {r['triton_err']:.2e} "
-            f"| {r['torch_bf16_err']:.2e} | {_fmt(r.get('flex_err'), '{:.2e}')} "
-            f"| {r['ours_no_sinks_err']:.2e} |")
-    return "\n".join(out) + "\n"
+            f"| {r['case']} | {r['kernel']} | {ours:.1f} | {r['ours_graph_us']:.1f} "
+            f"| {r['host_us']:.1f} | {r['triton_us']:.1f} | {_fmt(r.get('upstream_us'))} "
+            f"| {_fmt(r.get('fa3_us'))} | {r['floor_us']:.1f} | {ours / r['floor_us']:.2f} "
+            f"| {_ratio(r.get('upstream_us'), ours)} | {_ratio(r.get('fa3_us'), ours)} "
+            f"| {_ratio(r.get('flex_us'), ours)} | {r['ours_err']:.2e} "
+            f"| {_fmt(r.get('upstream_err'), '{:.2e}')} | {_fmt(r.get('fa3_err'), '{:.2e}')} "
+            f"| {r['triton_err']:.2e} | {r['torch_bf16_err']:.2e} | {r['ours_no_sinks_err']:.2e} |")
+    errors = [f"- {r['case']}: {name}: {r[name + '_error']}" for r in rows
+              for name in ("upstream", "fa3", "flex", "sdpa") if name + "_error" in r]
+    return "\n".join(out + (["", "Failed calls:"] + errors if errors else [])) + "\n"
+
+
+def _warm_gpu(seconds=1.0):
+    """Bring the clocks up before the first timed case (they idle low between compiles)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
 
 
 # ---- tile-shape sweep ----------------------------------------------------------------------------
@@ -414,9 +471,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/bench")
     ap.add_argument("--cases", default="", help="comma-separated substrings of case names")
-    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles are slow)")
+    ap.add_argument("--flex", action="store_true", help="add FlexAttention (its compiles are slow)")
     ap.add_argument("--flex-cases", default="", help="only these cases get FlexAttention (substrings)")
-    ap.add_argument("--sdpa-mask-gib", type=float, default=8.0)
+    ap.add_argument("--sdpa-mask-gib", type=float, default=0.0, help="dense-mask SDPA up to this mask size")
+    ap.add_argument("--peers", default=None, help="folder fetch_peers.sh filled (default .gpu/peers)")
     ap.add_argument("--tune", action="store_true", help="sweep tile shapes (then --table too)")
     ap.add_argument("--table", action="store_true", help="with --tune: also the table, with the "
                     "fastest swept shape timed beside the default")
@@ -426,6 +484,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
+    from benchmarks.kernels import peers
+
+    args.peers_loaded = (peers.upstream_op(args.peers), peers.fa3_varlen(args.peers))
+    _warm_gpu()
     cases = _cases()
     best = {}
     if args.tune:
@@ -448,17 +510,21 @@ def main(argv=None):
         rows.append(measure_case(c, bandwidth, args, best.get(c.name)))
         r = rows[-1]
         print(f"{c.name:18s} ours ({r['kernel']}) {r['ours_us']:8.1f} µs (graph {r['ours_graph_us']:8.1f}, "
-              f"triton kernel {r['triton_us']:8.1f}, "
+              f"host {r['host_us']:.1f}, triton kernel {r['triton_us']:8.1f}, "
+              f"upstream {_fmt(r.get('upstream_us'))}, fa3 {_fmt(r.get('fa3_us'))}, "
               f"tuned {_fmt(r.get('ours_tuned_us'))}) "
               f"flex {_fmt(r.get('flex_us'))} sdpa {_fmt(r.get('sdpa_us'))} floor {r['floor_us']:.1f} "
               f"err {r['ours_err']:.2e} (torch bf16 {r['torch_bf16_err']:.2e}) "
               f"{r.get('flex_error', '')}{r.get('sdpa_error', '')}", flush=True)
-    name = torch.cuda.get_device_name()
+    import triton
+
+    name = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
     md = markdown(rows, bandwidth, name)
     with open(os.path.join(args.out, "prefill_attention.md"), "w") as f:
         f.write(md)
     with open(os.path.join(args.out, "prefill_attention.json"), "w") as f:
         json.dump(dict(device=name, bandwidth=bandwidth, torch=torch.__version__,
+                       triton=triton.__version__,
                        seconds=time.time() - t0, rows=rows), f, indent=1)
     print()
     print(md)

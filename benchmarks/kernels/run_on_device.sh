@@ -7,11 +7,23 @@
 #   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only
 #   bash benchmarks/kernels/run_on_device.sh bench      # table only
 #   bash benchmarks/kernels/run_on_device.sh profile    # ncu of the default shape + code dump + sweep
+#
+# TRITON_TARBALL=.gpu/triton-3.7.1-slim.tar.xz runs everything under that Triton instead of the
+# machine's (../shared/tools/slim-triton.sh builds it; carry it): users have 3.7.1 (vLLM 0.27-0.32)
+# and 3.8.x (0.33), the machine 3.6. The benchmarks' peers come from benchmarks/kernels/fetch_peers.sh
+# (carry .gpu/peers).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/device}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${TRITON_TARBALL:-}" ]; then
+  slim=/tmp/triton-slim; rm -rf "$slim"; mkdir -p "$slim"; tar -xJf "$TRITON_TARBALL" -C "$slim"
+  export PYTHONPATH="$slim:$PYTHONPATH"
+  # A slim build without its own ptxas uses the machine's (CUDA 13).
+  [ -x "$slim/triton/backends/nvidia/bin/ptxas" ] || \
+    export TRITON_PTXAS_PATH=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
+fi
 what=${1:-all}
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
@@ -61,6 +73,8 @@ eval "bench_args+=(${BENCH_ARGS:-})"
 
 t0=$(date +%s)
 python3 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}" --out "$out" 2>&1 | tee "$out/bench.log" | grep -v -i warn | tail -n 40
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+python3 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out" 2>&1 | tee "$out/full.log" | grep -v -i warn | tail -n 14
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "benchmark: $(( $(date +%s) - t0 )) s"
 exit $status

@@ -533,9 +533,9 @@ class WalkLaunch:
                 self._by_bound.clear()
             bound = self._by_bound[(max_len_hint, chunk)] = (grid, tail, (self.variant, grid, tail))
         grid, tail, signature = bound
-        args = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len, *tail)
+        tensors = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len)
         try:  # the first launch of a variant compiles it
-            _LAUNCHER(signature, grid, args, self.constexprs, self.options)
+            _LAUNCHER(signature, grid, tensors, tail, self.constexprs, self.options)
         except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
             if self.variant in _COMPILED_VARIANTS:
                 raise  # it compiled before: a real launch error, not the compiler's

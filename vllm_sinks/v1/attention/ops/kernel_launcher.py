@@ -9,15 +9,14 @@ itself does after its checks (Triton 3.6 – 3.8: ``CompiledKernel.run(gx, gy, g
 packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``).
 
 What makes this safe: the signature holds everything Triton specialises on. The caller's key
-fixes shapes, strides, dtypes and every integer argument; this module adds each pointer's 16-byte
-alignment. Launch hooks (a profiler) send every call through Triton again.
+fixes shapes, strides, dtypes and every integer argument; only calls whose pointers are all 16-byte
+aligned take the direct path. Launch hooks (a profiler) send every call through Triton again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 import triton
 
 try:  # Triton >= 3.4
@@ -29,34 +28,43 @@ _MAX_ENTRIES = 1024
 
 
 def _hooks_set() -> bool:
+    """Whether a launch hook (a profiler) is installed. Triton 3.8 keeps an empty ``HookChain``
+    there by default: a chain without calls is no hook."""
     if _knobs is None:
         return True
     runtime = _knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 class DirectLauncher:
-    """Launches of one jitted kernel, by signature. ``constexprs`` are the kernel's trailing
-    compile-time parameters (both kernels declare them after every runtime argument)."""
+    """Launches of one jitted kernel, by signature. The kernel takes its tensors first, then its
+    scalars, then its compile-time parameters (both of the op's kernels are declared so)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict = {}
         self._stream = None
 
-    def __call__(self, signature: Any, grid: tuple, args: tuple, constexprs: dict, options: dict):
-        """Launch ``kernel[grid](*args, **constexprs, **options)`` and return the compiled kernel
-        (None in the interpreter). ``signature`` (hashable) must change whenever anything but
-        tensor addresses and float scalars changes: grid, integer arguments, constexprs, options."""
-        align = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
-        entry = self._compiled.get((signature, align))
+    def __call__(self, signature: Any, grid: tuple, tensors: tuple, scalars: tuple,
+                 constexprs: dict, options: dict):
+        """Launch ``kernel[grid](*tensors, *scalars, **constexprs, **options)`` and return the
+        compiled kernel (None in the interpreter). ``signature`` (hashable) must change whenever
+        anything but tensor addresses and float scalars changes: grid, integer arguments,
+        constexprs, options."""
+        # Triton specialises each pointer on 16-byte alignment: calls whose tensors are all
+        # aligned (every tensor the allocator hands out) share one entry; others go through Triton.
+        aligned = 0
+        for t in tensors:
+            aligned |= t.data_ptr()
+        entry = self._compiled.get(signature) if aligned & 15 == 0 else None
         if entry is None or _hooks_set():
-            compiled = self.kernel[grid](*args, **constexprs, **options)
-            if hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
+            compiled = self.kernel[grid](*tensors, *scalars, **constexprs, **options)
+            if aligned & 15 == 0 and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
                 if len(self._compiled) >= _MAX_ENTRIES:
                     self._compiled.clear()
-                names = [p.name for p in self.kernel.params][len(args):]
-                self._compiled[(signature, align)] = (compiled, tuple(constexprs[n] for n in names))
+                names = [p.name for p in self.kernel.params][len(tensors) + len(scalars):]
+                self._compiled[signature] = (compiled, tuple(constexprs[n] for n in names))
             return compiled
         compiled, tail = entry
         if self._stream is None:
@@ -64,5 +72,5 @@ class DirectLauncher:
             self._stream = (driver.get_current_stream, driver.get_current_device)
         get_stream, get_device = self._stream
         compiled.run(grid[0], grid[1], grid[2], get_stream(get_device()), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+                     compiled.packed_metadata, None, None, None, *tensors, *scalars, *tail)
         return compiled

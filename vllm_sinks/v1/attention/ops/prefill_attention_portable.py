@@ -469,8 +469,8 @@ class PortableLaunch:
             return None
         grid, constexprs = self.grid(max_len_hint)
         return _LAUNCHER((self.signature, grid, constexprs is self.grid_kwargs), grid,
-                         (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len,
-                          *self.scalars), constexprs, self.options)
+                         (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len),
+                         self.scalars, constexprs, self.options)
 
 
 def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks,
