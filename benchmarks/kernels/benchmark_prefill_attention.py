@@ -51,6 +51,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E
 )
 from vllm_sinks.v1.attention.ops.prefill_attention_portable import (  # noqa: E402
     LaunchConfig,
+    PortableLaunch,
     choose_config,
     launch,
 )
@@ -272,8 +273,8 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
     row["kernel"] = plan(q, k, v, o, starts, lens, mil, **kwargs).kernel
     _peer_columns(row, c, q, k, v, sinks, starts, lens, ref, args.peers_loaded)
     o_triton = torch.empty_like(q)
-    row["triton_us"] = _bench(
-        lambda: launch(p, choose_config(p), q, k, v, o_triton, starts, lens, sinks, c.seq_len))
+    portable = PortableLaunch.plan(p, q, k, v, o_triton, starts, lens, sinks)
+    row["triton_us"] = _bench(lambda: portable(q, k, v, o_triton, starts, lens, sinks, c.seq_len))
     row["triton_err"] = relative_l2(o_triton, ref)
     row["config"] = dataclasses.asdict(choose_config(p))
     if tuned is not None and tuned != choose_config(p):

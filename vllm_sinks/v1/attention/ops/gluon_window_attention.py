@@ -41,7 +41,7 @@ import warnings
 import torch
 import triton
 
-from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher
+from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     BLOCK_KEYS,
     BLOCK_KEYS_C,
@@ -478,6 +478,8 @@ class WalkLaunch:
     constexprs: dict
     options: dict
     variant: tuple  # the compiled kernel this launch needs: its constexprs and dtype
+    # Stands for this plan's call key (dtypes included) in the launcher's cache.
+    token: int = dataclasses.field(default_factory=new_token, compare=False)
     # grid and scalar arguments by length bound: the launch is CPU-bound for one MiMo image, so
     # nothing is recomputed per call (a ViT passes the same bound in every layer)
     _by_bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -531,7 +533,7 @@ class WalkLaunch:
             tail = (*self.scalars, chunk_tiles, num_chunks, *self.strides)
             if len(self._by_bound) >= 64:
                 self._by_bound.clear()
-            bound = self._by_bound[(max_len_hint, chunk)] = (grid, tail, (self.variant, grid, tail))
+            bound = self._by_bound[(max_len_hint, chunk)] = (grid, tail, (self.token, max_len_hint, chunk))
         grid, tail, signature = bound
         tensors = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len)
         try:  # the first launch of a variant compiles it

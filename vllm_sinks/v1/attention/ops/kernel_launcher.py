@@ -15,6 +15,7 @@ aligned take the direct path. Launch hooks (a profiler) send every call through 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import triton
@@ -32,9 +33,18 @@ def _hooks_set() -> bool:
     there by default: a chain without calls is no hook."""
     if _knobs is None:
         return True
-    runtime = _knobs.runtime
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True)) or
+                (leave is not None and getattr(leave, "calls", True)))
+
+
+_tokens = itertools.count()
+
+
+def new_token() -> int:
+    """A signature part no other launch plan ever had: a plan is made per call key (shapes,
+    strides, dtypes, devices, arguments), so its token stands for all of them, and hashes fast."""
+    return next(_tokens)
 
 
 class DirectLauncher:
@@ -50,8 +60,8 @@ class DirectLauncher:
                  constexprs: dict, options: dict):
         """Launch ``kernel[grid](*tensors, *scalars, **constexprs, **options)`` and return the
         compiled kernel (None in the interpreter). ``signature`` (hashable) must change whenever
-        anything but tensor addresses and float scalars changes: grid, integer arguments,
-        constexprs, options."""
+        anything but tensor addresses and float scalars changes: tensor dtypes, grid, integer
+        arguments, constexprs, options (a plan's ``new_token()`` and its grid do)."""
         # Triton specialises each pointer on 16-byte alignment: calls whose tensors are all
         # aligned (every tensor the allocator hands out) share one entry; others go through Triton.
         aligned = 0

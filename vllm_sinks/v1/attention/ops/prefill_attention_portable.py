@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher
+from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     BLOCK_KEYS,
     KEY0_BIAS_C,
@@ -431,7 +431,10 @@ class PortableLaunch:
     grid_kwargs: dict  # constexprs, sequence from the grid
     search_kwargs: dict  # constexprs, sequence searched on the device
     options: dict
-    signature: tuple  # everything the compiled kernel is specialised on but the grid
+    # Stands for this plan's call key (dtypes included) in the launcher's cache.
+    token: int = dataclasses.field(default_factory=new_token, compare=False)
+    # grid and constexprs by length bound (a ViT passes the same bound in every layer)
+    _by_bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
     @classmethod
@@ -444,9 +447,8 @@ class PortableLaunch:
         scalars = (p.num_seqs, p.tokens, p.log2_scale, p.window_q, p.window_k,
                    *stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len))
         options = launch_options(p.device, cfg.num_warps, cfg.num_stages, cfg.maxnreg)
-        grid_kwargs, search_kwargs = kernel_constexprs(p, cfg, True), kernel_constexprs(p, cfg, False)
-        signature = (tuple(grid_kwargs.items()), scalars, tuple(options.items()))
-        return cls(p, cfg, scalars, grid_kwargs, search_kwargs, options, signature)
+        return cls(p, cfg, scalars, kernel_constexprs(p, cfg, True), kernel_constexprs(p, cfg, False),
+                   options)
 
     def grid(self, max_len_hint: int | None):
         """(grid, constexprs) for a host-side bound on the longest sequence, or None (search)."""
@@ -467,8 +469,14 @@ class PortableLaunch:
         search their sequence and tile on the device."""
         if self.p.empty:
             return None
-        grid, constexprs = self.grid(max_len_hint)
-        return _LAUNCHER((self.signature, grid, constexprs is self.grid_kwargs), grid,
+        bound = self._by_bound.get(max_len_hint)
+        if bound is None:
+            if len(self._by_bound) >= 64:
+                self._by_bound.clear()
+            grid, constexprs = self.grid(max_len_hint)
+            bound = self._by_bound[max_len_hint] = (grid, constexprs, (self.token, grid))
+        grid, constexprs, signature = bound
+        return _LAUNCHER(signature, grid,
                          (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len),
                          self.scalars, constexprs, self.options)
 
