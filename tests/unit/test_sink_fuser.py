@@ -248,6 +248,22 @@ class DictReadSink(_Attention):
         return self._parameters["sinks"]
 
 
+class ShapeCode(_Attention):
+    """Shape code stock fx cannot trace: len() of a proxy, a leaf's output shape, x.mT, a dtype test."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        q = self.q_proj(hidden_states.mT.mT)
+        q = q.view(*q.shape[:-1], len(self.sinks), -1).transpose(1, 2)
+        if q.dtype == torch.bool or q.size(-1) != self.head_dim:
+            raise AssertionError("meta values are wrong")
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        return interface(self, q, q, q, attention_mask, s_aux=self.sinks)
+
+
 _LOCAL_INTERFACES = AttentionInterface()  # a modeling file's own registry instance (as Doge's)
 
 
@@ -287,6 +303,7 @@ class NoInterface(nn.Module):
                                              (BufferSink, "learned_sink", "buffer"),
                                              (CastSink, "attn_bias", "parameter"),
                                              (DictReadSink, "sinks", "parameter"),
+                                             (ShapeCode, "sinks", "parameter"),
                                              (LocalRegistry, "extra.per_head_logit", "parameter")])
 def test_the_sink_is_found_under_any_name_and_owner(cls, path, kind):
     module = cls()

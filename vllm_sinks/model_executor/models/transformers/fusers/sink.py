@@ -13,7 +13,7 @@ parameter's ``get_attr`` node; every node carries its value on meta tensors, so 
 concrete and shape code runs as plain Python. The forward is traced unwrapped (transformers >= 5.24
 wraps it in ``@deprecate_kwarg``, whose ``*args, **kwargs`` fx cannot turn into placeholders), with
 the KV cache fixed to None and ``**kwargs`` to ``{}``: vLLM passes neither, and neither changes which
-tensor reaches ``s_aux``.
+tensor reaches ``s_aux``. fx traces a view of the module, never the module (:func:`_tracing_view`).
 
 Traces are cached per class, but an answer is reused only for an instance whose every attribute the
 trace read (``sinks``, ``sliding_window``, ``config`` ...) matches (the way dynamo guards a graph), so
@@ -142,9 +142,10 @@ class _MetaProxy(fx.Proxy):
         value = _value(self)
         if isinstance(value, torch.Tensor) and name in _METADATA:
             return getattr(value, name)
-        if value is _UNKNOWN or name.startswith("__") or callable(getattr(value, name, None)):
-            return super().__getattr__(name)  # fx's Attribute: a method call becomes a node
-        return self.tracer.create_proxy("call_function", getattr, (self, name), {})  # x.T, valued
+        with contextlib.suppress(Exception):  # e.g. an attribute that raises on a meta tensor
+            if value is not _UNKNOWN and not name.startswith("__") and not callable(getattr(value, name)):
+                return self.tracer.create_proxy("call_function", getattr, (self, name), {})  # x.mT: valued
+        return super().__getattr__(name)  # fx's Attribute: a method call becomes a node
 
     def __len__(self) -> int:
         return super().__len__() if _value(self) is _UNKNOWN else len(_value(self))
