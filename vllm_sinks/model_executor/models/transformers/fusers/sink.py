@@ -255,7 +255,8 @@ def _interface_stand_ins(module: nn.Module, tracer: _SinkTracer) -> Iterator[Non
         for fn in _forwards(module):
             namespace = getattr(fn, "__globals__", {})
             for name in getattr(getattr(fn, "__code__", None), "co_names", ()):
-                if isinstance(registry := namespace.get(name), AttentionInterface):  # once per name
+                # A namespace two forwards share is swapped once: a stand-in is no AttentionInterface.
+                if isinstance(registry := namespace.get(name), AttentionInterface):
                     swapped.append((namespace, name, registry))
                     namespace[name] = _InterfaceStandIn(registry, tracer)
         yield
