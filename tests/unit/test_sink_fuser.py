@@ -237,6 +237,59 @@ class BranchesOnValues(_Attention):
         return self.sinks
 
 
+class DictReadSink(_Attention):
+    """Reads its sink past nn.Module.__getattr__: found by identity, not through a proxy."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def s_aux(self):
+        return self._parameters["sinks"]
+
+
+class ShapeCode(_Attention):
+    """Shape code stock fx cannot trace: len() of a proxy, a leaf's output shape, x.mT, a dtype test."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        q = self.q_proj(hidden_states.mT.mT)
+        q = q.view(*q.shape[:-1], len(self.sinks), -1).transpose(1, 2)
+        if q.dtype == torch.bool or q.size(-1) != self.head_dim:
+            raise AssertionError("meta values are wrong")
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        return interface(self, q, q, q, attention_mask, s_aux=self.sinks)
+
+
+_LOCAL_INTERFACES = AttentionInterface()  # a modeling file's own registry instance (as Doge's)
+
+
+class LocalRegistry(NestedOwner):
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        q = self.q_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        interface = _LOCAL_INTERFACES.get_interface(self.config._attn_implementation, None)
+        return interface(self, q, q, q, attention_mask, s_aux=self.s_aux())
+
+
+class ConstantInForward(NestedOwner):
+    """Its forward makes a tensor, which fx stows as a constant on the root it traces."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        return super().forward(hidden_states + torch.zeros(32), attention_mask, **kwargs)
+
+
+class NeverCalls(_Attention):
+    """Names the registry but, with this config, never calls it (an eager-only branch)."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if self.config._attn_implementation != SPY:
+            return ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation](self, hidden_states)
+        return hidden_states
+
+
 class NoInterface(nn.Module):
     def __init__(self):
         super().__init__()
@@ -248,13 +301,16 @@ class NoInterface(nn.Module):
 
 @pytest.mark.parametrize("cls, path, kind", [(NestedOwner, "extra.per_head_logit", "parameter"),
                                              (BufferSink, "learned_sink", "buffer"),
-                                             (CastSink, "attn_bias", "parameter")])
+                                             (CastSink, "attn_bias", "parameter"),
+                                             (DictReadSink, "sinks", "parameter"),
+                                             (ShapeCode, "sinks", "parameter"),
+                                             (LocalRegistry, "extra.per_head_logit", "parameter")])
 def test_the_sink_is_found_under_any_name_and_owner(cls, path, kind):
     module = cls()
     site = SinkFuser().find(module)
     assert site == AttentionSite(cls.__name__, SinkSite(path, kind), 1)
     assert site.sink.tensor(module) is module.get_parameter(path) if kind == "parameter" else True
-    assert site.sink.owner(module) is (module.extra if cls is NestedOwner else module)
+    assert site.sink.owner(module) is (module.extra if isinstance(module, NestedOwner) else module)
     assert site.sink.attr == path.rpartition(".")[2]
 
 
@@ -274,6 +330,12 @@ def test_the_cache_is_guarded_by_the_state_the_trace_read():
     answers = [fuser.find(m).sink for m in modules]
     assert answers == [None, SinkSite("sinks", "parameter"), SinkSite("sinks", "parameter"), None]
     assert fuser.traces == 2  # one trace per distinct `use_sink`, the rest from the cache
+
+
+def test_a_cached_answer_is_the_answer_a_trace_gives():
+    fuser = SinkFuser()
+    assert [fuser.find(NeverCalls()) for _ in range(3)] == [None] * 3
+    assert fuser.traces == 1
 
 
 def test_a_trace_that_stops_before_the_interface_says_so():
@@ -303,11 +365,15 @@ def test_deprecate_kwarg_wrapped_forward_is_traced_unwrapped():
     assert SinkFuser().find(module).sink == SinkSite("extra.per_head_logit", "parameter")
 
 
-def test_tracing_leaves_the_module_as_it_was():
-    module = NestedOwner()
-    before = (type(module), dict(module.named_parameters()), module.forward.__func__)
-    SinkFuser().find(module)
-    assert (type(module), dict(module.named_parameters()), module.forward.__func__) == before
-    assert nn.Module.__call__ is not None and "forward" not in vars(module)
+@pytest.mark.parametrize("cls", [ConstantInForward, BranchesOnValues])
+def test_tracing_leaves_the_module_and_the_process_as_they_were(cls):
+    module = cls()
+    process = (nn.Module.__call__, nn.Module.__getattr__, ALL_ATTENTION_FUNCTIONS, _LOCAL_INTERFACES,
+               AttentionInterface.get_interface, AttentionInterface.__getitem__)
+    before = (type(module), dict(vars(module)), dict(module.named_parameters()), module.forward.__func__)
+    SinkFuser().find(module)  # succeeds for one, stops before the interface call for the other
+    assert (type(module), dict(vars(module)), dict(module.named_parameters()), module.forward.__func__) == before
+    assert (nn.Module.__call__, nn.Module.__getattr__, globals()["ALL_ATTENTION_FUNCTIONS"], _LOCAL_INTERFACES,
+            AttentionInterface.get_interface, AttentionInterface.__getitem__) == process
     out, _ = module(torch.randn(1, 5, 32))  # still runs for real
     assert out.shape == (1, 5, 32) and math.isfinite(out.sum().item())

@@ -1,27 +1,23 @@
 """SinkFuser: find, in the FX graph, the learnable sink each Hugging Face attention module hands the
 attention interface as ``s_aux``.
 
-Why a graph and not a name: GPT-OSS, Granite SWA, DeepSeek V4, MiMo-V2-Flash, HY V4 ... all pass
-``s_aux=self.sinks`` today, but the attribute's name, the module that owns it and whether it exists on a
-given layer (MiMo-V2-Flash's full-attention layers have ``sinks = None``) are model choices. The
-forward's dataflow says which tensor reaches ``s_aux``; nothing else has to be guessed.
+Why a graph and not a name: every sink family passes ``s_aux=self.sinks`` today, but the attribute's
+name, the module that owns it and whether it exists on a given layer (MiMo-V2-Flash's full-attention
+layers have ``sinks = None``) are model choices. The forward's dataflow says which tensor reaches
+``s_aux``; nothing else has to be guessed.
 
-How the trace works (torch.fx, our own tracer):
+How (a ``torch.fx.Tracer`` subclass): submodules are leaves; the attention-interface registry is
+swapped, in the forward's own globals and only while it is traced, for a stand-in whose lookups
+return a recorder, so the call is one node that keeps its keywords and ``s_aux`` is an edge to the
+parameter's ``get_attr`` node; every node carries its value on meta tensors, so ``x.shape`` is
+concrete and shape code runs as plain Python. The forward is traced unwrapped (transformers >= 5.24
+wraps it in ``@deprecate_kwarg``, whose ``*args, **kwargs`` fx cannot turn into placeholders), with
+the KV cache fixed to None and ``**kwargs`` to ``{}``: vLLM passes neither, and neither changes which
+tensor reaches ``s_aux``. fx traces a view of the module, never the module (:func:`_tracing_view`).
 
-* every submodule stays one ``call_module`` node (we only need the attention module's own body);
-* whatever ``ALL_ATTENTION_FUNCTIONS`` hands out becomes one opaque ``call_function`` node that keeps
-  *all* its arguments, keywords included. A parameter passed as ``s_aux`` is therefore an edge to a
-  ``get_attr`` node, whose target is the parameter's qualified name inside the module;
-* each op is also run on meta tensors, so the usual shape code (``(*input_shape, -1, d)``,
-  ``batch, seq = x.shape[:-1]``, ``if mask.dtype == torch.bool``) traces instead of failing;
-* transformers >= 5.24 wraps attention forwards in ``@deprecate_kwarg`` (its ``*args, **kwargs``
-  signature breaks fx's placeholders): we trace the unwrapped function. The KV-cache argument
-  (``past_key_values``, renamed ``cache`` in 5.24) is fixed to None and ``**kwargs`` to ``{}``: vLLM
-  passes no cache object, and neither changes which tensor reaches ``s_aux``.
-
-Traces are cached per class, but a cached answer is reused only for an instance whose every attribute
-the trace read (``sinks``, ``sliding_window``, ``config``, ``training`` ...) matches (the way dynamo
-guards a graph), so one layer's answer never leaks into another layer whose sink is ``None``.
+Traces are cached per class, but an answer is reused only for an instance whose every attribute the
+trace read (``sinks``, ``sliding_window``, ``config`` ...) matches (the way dynamo guards a graph), so
+one layer's answer never leaks into another layer whose sink is ``None``.
 
 Imports without vLLM: torch only (transformers lazily, while tracing).
 """
@@ -34,11 +30,9 @@ import functools
 import inspect
 import itertools
 import logging
-import math
 import operator
 import threading
 from typing import Any, Callable, Iterator
-from unittest import mock
 
 import torch
 from torch import fx, nn
@@ -48,27 +42,27 @@ logger = logging.getLogger(__name__)
 #: Forward parameters that carry the KV cache object (name changed across transformers versions).
 CACHE_ARGUMENTS = ("past_key_values", "cache", "past_key_value")
 
-#: Method calls that hand their input on unchanged but for dtype/layout; ``s_aux=self.sinks.float()``
-#: still names the ``sinks`` parameter.
+#: Methods that change only dtype/layout: ``s_aux=self.sinks.float()`` still names ``sinks``.
 _PASS_THROUGH_METHODS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as",
                                    "contiguous", "detach", "clone"})
 
-#: Token count and batch size of the fabricated meta inputs. Any small size works: the values are
-#: only there to answer shape questions.
-_META_TOKENS = 16
+#: Tensor metadata a proxy answers with the concrete value: it does not depend on the input values,
+#: and forwards hand it to callees fx cannot trace (``torch.finfo(x.dtype)``, ``(*shape, -1, d)``).
+_METADATA = frozenset({"shape", "dtype", "device", "ndim", "layout", "is_cuda", "size", "dim", "numel",
+                       "is_floating_point"})
 
-# fx replaces these two while it traces; running a child module on meta tensors needs the real ones.
-_REAL_MODULE_CALL = nn.Module.__call__
-_REAL_MODULE_GETATTR = nn.Module.__getattr__
+_META_TOKENS = 16  # token count of the meta inputs: any small size answers shape questions
 
-# Names nn.Module keeps for its own machinery: reading them says nothing about the model.
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+#: nn.Module's own machinery (and what fx calls on the root): reading it says nothing about the model.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | frozenset(dir(nn.Module))
 
-_UNKNOWN = object()  # a traced value we could not compute on meta tensors
+_INTERFACE_NAMES = frozenset({"ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "get_interface"})
 
-#: Tensor attributes answered with the concrete value instead of a proxy: forwards hand them to
-#: untraceable callees (``torch.finfo(x.dtype)``), and they do not depend on the input values.
-_SPECIALIZED_ATTRIBUTES = frozenset({"dtype", "device", "ndim", "layout", "is_cuda"})
+_UNKNOWN = object()  # the value of a node that could not be computed on meta tensors
+
+# One trace at a time: fx rebinds nn.Module.__call__/__getattr__ process-wide while it traces (that
+# is how it sees submodule calls and parameter reads), and we swap registries in module globals.
+_LOCK = threading.RLock()
 
 
 class SinkFuserError(ValueError):
@@ -118,212 +112,180 @@ class AttentionSite:
         return self.sink
 
 
-# ---- the interface stand-in -------------------------------------------------------------------
-
-
 def attention_interface_call(*args: Any, **kwargs: Any) -> Any:
-    """Target of the opaque node that stands for the attention-interface call in a trace.
-
-    Only ever a graph node: the trace never executes it.
-    """
+    """Target of the node that stands for the attention-interface call; a trace never runs it."""
     raise RuntimeError("attention_interface_call is a tracing placeholder and cannot run")
-
-
-def foreign_value(description: str) -> Any:
-    """Target of a node standing for an argument the trace cannot name (e.g. a plain tensor)."""
-    raise RuntimeError(f"foreign_value({description!r}) is a tracing placeholder and cannot run")
 
 
 # ---- the tracer --------------------------------------------------------------------------------
 
 
-class _ValueProxy(fx.Proxy):
-    """A proxy that also carries its expression's value, computed on meta tensors (or _UNKNOWN)."""
-
-    value: Any = _UNKNOWN
-
-    def __len__(self) -> int:
-        if self.value is not _UNKNOWN:
-            return len(self.value)
-        return super().__len__()
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _SPECIALIZED_ATTRIBUTES and self.value is not _UNKNOWN:
-            try:
-                return getattr(self.value, name)
-            except AttributeError:
-                pass
-        return _ValueAttribute(self, name)
+def _value(x: Any) -> Any:
+    return x.node.meta.get("val", _UNKNOWN) if isinstance(x, fx.Proxy) else x
 
 
-class _ValueAttribute(_ValueProxy, fx.proxy.Attribute):
-    """``proxy.attr`` (``x.shape``, ``x.dtype``): fx builds these lazily, outside create_proxy."""
-
-    def __init__(self, root: fx.Proxy, attr: str):
-        fx.proxy.Attribute.__init__(self, root, attr)
-        base = getattr(root, "value", _UNKNOWN)
-        if base is not _UNKNOWN:
-            try:
-                self.value = getattr(base, attr)
-            except Exception:  # noqa: BLE001 - unknown is a valid answer
-                pass
-
-
-class _Unknowable(Exception):
-    pass
-
-
-def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta")
-    return value
-
-
-def _values_of(tree: Any) -> Any:
-    """Replace every proxy in ``tree`` by its value and real tensors by meta ones."""
+def _meta_values(tree: Any) -> Any:
+    """``tree`` with every proxy replaced by its value and every tensor by a meta one."""
 
     def one(x: Any) -> Any:
-        if isinstance(x, fx.Proxy):
-            value = getattr(x, "value", _UNKNOWN)
-            if value is _UNKNOWN:
-                raise _Unknowable
-            return value
-        return _to_meta(x)
+        if (x := _value(x)) is _UNKNOWN:
+            raise LookupError("a value is unknown")
+        return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
 
     return fx.node.map_aggregate(tree, one)
 
 
-@contextlib.contextmanager
-def _real_module_methods() -> Iterator[None]:
-    """Run real module code in the middle of a trace (fx has patched nn.Module's call and getattr)."""
-    saved = {name: nn.Module.__dict__[name] for name in ("__call__", "__getattr__")}
-    nn.Module.__call__ = _REAL_MODULE_CALL
-    nn.Module.__getattr__ = _REAL_MODULE_GETATTR
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.Module, name, fn)
+class _MetaProxy(fx.Proxy):
+    """A proxy that answers tensor metadata, and ``len``, from its node's meta value."""
 
+    def __getattr__(self, name: str) -> Any:
+        value = _value(self)
+        if isinstance(value, torch.Tensor) and name in _METADATA:
+            return getattr(value, name)
+        with contextlib.suppress(Exception):  # e.g. an attribute that raises on a meta tensor
+            if value is not _UNKNOWN and not name.startswith("__") and not callable(getattr(value, name)):
+                return self.tracer.create_proxy("call_function", getattr, (self, name), {})  # x.mT: valued
+        return super().__getattr__(name)  # fx's Attribute: a method call becomes a node
 
-def _run_module_on_meta(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    state = {name: torch.empty_like(t, device="meta")
-             for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
-    return torch.func.functional_call(module, state, tuple(args), kwargs)
+    def __len__(self) -> int:
+        return super().__len__() if _value(self) is _UNKNOWN else len(_value(self))
 
 
 class _SinkTracer(fx.Tracer):
-    """fx tracer: submodules are leaves, values ride along on meta tensors, the interface is opaque."""
+    """Submodules are leaves, every node carries its meta value, the interface call is one node."""
 
-    def __init__(self, placeholder_values: dict[str, Any]):
-        super().__init__(autowrap_modules=(math,))
+    def __init__(self, inputs: dict[str, torch.Tensor]):
+        super().__init__()
         self.proxy_buffer_attributes = True  # a buffer passed as s_aux becomes get_attr too
-        self.placeholder_values = placeholder_values
+        self.inputs = inputs  # placeholder name -> meta tensor
         self.interface_nodes: list[fx.Node] = []
+        self.evaluating = False  # computing a node's value: fx's module hooks step aside
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
 
+    def call_module(self, m, forward, args, kwargs):
+        # While a leaf runs on meta tensors its children run for real, not as nodes.
+        return forward(*args, **kwargs) if self.evaluating else super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        # ... and read their (meta) parameters as tensors, not as get_attr nodes.
+        return attr_val if self.evaluating else super().getattr(attr, attr_val, parameter_proxy_cache)
+
     def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _ValueProxy(node, self)
+        return _MetaProxy(node, self)
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **kw_rest):
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw_rest)
-        if isinstance(proxy, _ValueProxy) and proxy.value is _UNKNOWN:
-            try:
-                proxy.value = self._evaluate(kind, target, args, kwargs)
-            except Exception:  # noqa: BLE001 - only fatal if a later shape question needs it
-                proxy.value = _UNKNOWN
+        proxy.node.meta["val"] = self._evaluate(kind, target, args, kwargs)
         return proxy
 
     def _evaluate(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if kind == "placeholder":
-            return self.placeholder_values.get(str(target), _UNKNOWN)
-        if kind == "get_attr":
-            return _to_meta(operator.attrgetter(str(target))(self.root))
-        if target in (attention_interface_call, foreign_value):
-            return _UNKNOWN
+            return self.inputs.get(target, _UNKNOWN)
+        self.evaluating = True
         try:
-            args_v, kwargs_v = _values_of(args), _values_of(kwargs)
-        except _Unknowable:
-            return _UNKNOWN
-        with _real_module_methods():
+            if kind == "get_attr":
+                return _meta_values(operator.attrgetter(target)(self.root))
+            args, kwargs = _meta_values(args), _meta_values(kwargs)
             if kind == "call_function":
-                return target(*args_v, **kwargs_v)
+                return target(*args, **kwargs)
             if kind == "call_method":
-                receiver, *rest = args_v
-                return getattr(receiver, str(target))(*rest, **kwargs_v)
-            if kind == "call_module":
-                return _run_module_on_meta(self.root.get_submodule(str(target)), args_v, kwargs_v)
-        return _UNKNOWN
+                return getattr(args[0], target)(*args[1:], **kwargs)
+            module = self.root.get_submodule(target)  # call_module
+            state = itertools.chain(module.named_parameters(), module.named_buffers())
+            return torch.func.functional_call(module, dict(_meta_values(list(state))), args, kwargs)
+        except Exception:  # noqa: BLE001 - unknown is an answer; fatal only if a later question needs it
+            return _UNKNOWN
+        finally:
+            self.evaluating = False
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        value = getattr(obj, "value", _UNKNOWN)
-        if value is not _UNKNOWN and not isinstance(value, torch.Tensor):
-            return bool(value)
-        return super().to_bool(obj)
+        value = _value(obj)
+        if value is _UNKNOWN or isinstance(value, torch.Tensor):
+            return super().to_bool(obj)  # control flow on tensor data: the trace stops here
+        return bool(value)
 
     def iter(self, obj: fx.Proxy):
-        value = getattr(obj, "value", _UNKNOWN)
-        if value is not _UNKNOWN:
-            return iter([obj[i] for i in range(len(value))])
-        return super().iter(obj)
+        value = _value(obj)
+        return super().iter(obj) if value is _UNKNOWN else iter([obj[i] for i in range(len(value))])
 
-    # -- the interface call ------------------------------------------------------------------------
+    def interface_call(self, implementation: str, module: nn.Module, *args: Any, **kwargs: Any) -> fx.Proxy:
+        """One call of the attention interface as one node: every argument but the module kept."""
 
-    def interface_call(self, implementation: str, args: tuple, kwargs: dict) -> fx.Proxy:
-        """Record one call of the attention interface, every argument kept (args[0] is the module)."""
-        node_args = tuple(self._as_argument(a) for a in args[1:])
-        node_kwargs = {k: self._as_argument(v) for k, v in kwargs.items()}
-        proxy = self.create_proxy("call_function", attention_interface_call, node_args, node_kwargs)
-        proxy.node.meta["attention_interface"] = implementation
-        self.interface_nodes.append(proxy.node)
-        return proxy
+        def argument(x: Any) -> Any:
+            try:
+                return self.create_arg(x)
+            except NotImplementedError:  # an object fx cannot put in a graph: say what it was
+                return f"<a {type(x).__name__}>"
 
-    def _as_argument(self, value: Any) -> Any:
-        if isinstance(value, fx.Proxy):
-            return value
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._as_argument(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self._as_argument(v) for k, v in value.items()}
-        if isinstance(value, torch.Tensor):
-            # fx proxies parameters and buffers read through `self.<name>`; one reached another way
-            # (e.g. `self._parameters["sinks"]`) still gets its get_attr edge, by identity.
-            for name, tensor in itertools.chain(self.root.named_parameters(), self.root.named_buffers()):
-                if tensor is value:
-                    return self.create_proxy("get_attr", name, (), {})
-            shape = "x".join(map(str, value.shape)) or "scalar"
-            return self.create_proxy("call_function", foreign_value,
-                                     (f"a {shape} tensor that is not a parameter or buffer",), {})
-        if isinstance(value, nn.Module):
-            return None
-        try:
-            return self.create_arg(value)
-        except NotImplementedError:
-            return self.create_proxy("call_function", foreign_value, (f"a {type(value).__name__}",), {})
+        node = self.create_node("call_function", attention_interface_call,
+                                *fx.node.map_aggregate((args, kwargs), argument))
+        node.meta["attention_interface"] = implementation
+        self.interface_nodes.append(node)
+        return self.proxy(node)  # valueless: nothing after the call matters
+
+
+class _InterfaceStandIn:
+    """Takes a registry's place in a traced forward's globals: lookups return the tracer's recorder."""
+
+    def __init__(self, registry: Any, tracer: _SinkTracer):
+        self._registry, self._tracer = registry, tracer
+
+    def get_interface(self, implementation: str, *default: Any, **kwargs: Any) -> Callable:
+        return functools.partial(self._tracer.interface_call, str(implementation))
+
+    __getitem__ = get_interface
+
+    def __getattr__(self, name: str) -> Any:  # anything else: the real registry's
+        return getattr(self._registry, name)
 
 
 @contextlib.contextmanager
-def _interface_as_leaf(tracer: _SinkTracer) -> Iterator[None]:
-    """Make every attention-interface lookup return the tracer's opaque stand-in."""
+def _interface_stand_ins(module: nn.Module, tracer: _SinkTracer) -> Iterator[None]:
+    """Swap every registry the module's forwards name for a stand-in, in the forwards' own globals.
+
+    A forward of the same modeling module running meanwhile in another thread would see it; vLLM
+    traces while it builds the model, before any forward runs.
+    """
     from transformers.modeling_utils import AttentionInterface
 
-    def stand_in(implementation: str) -> Callable:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return tracer.interface_call(str(implementation), args, kwargs)
-
-        return call
-
-    def get_interface(self, attn_implementation, default=None, *args, **kwargs):
-        return stand_in(attn_implementation)
-
-    def getitem(self, key):
-        return stand_in(key)
-
-    with mock.patch.object(AttentionInterface, "get_interface", get_interface), \
-            mock.patch.object(AttentionInterface, "__getitem__", getitem):
+    swapped = []
+    try:
+        for fn in _forwards(module):
+            namespace = getattr(fn, "__globals__", {})
+            for name in getattr(getattr(fn, "__code__", None), "co_names", ()):
+                # A namespace two forwards share is swapped once: a stand-in is no AttentionInterface.
+                if isinstance(registry := namespace.get(name), AttentionInterface):
+                    swapped.append((namespace, name, registry))
+                    namespace[name] = _InterfaceStandIn(registry, tracer)
         yield
+    finally:
+        for namespace, name, registry in reversed(swapped):
+            namespace[name] = registry
+
+
+def _tracing_view(module: nn.Module, forward: Callable, reads: set[str]) -> nn.Module:
+    """What fx traces in the module's place, so that the module itself is never changed.
+
+    An instance of a throwaway subclass whose ``forward`` is ``forward`` and which adds the name of
+    every attribute it is asked for to ``reads`` (the guards), holding a shallow copy of the module's
+    ``__dict__``: the same parameter, buffer and submodule dicts and config, while what the trace sets
+    on its root (fx stows constant tensors there) lands on the view. A subclass rather than a wrapper
+    so that ``super().forward()`` and ``isinstance`` in the forward keep working.
+    """
+
+    def __getattribute__(self, name: str) -> Any:
+        if name not in _MODULE_INTERNALS:
+            reads.add(name)
+        return super(view_class, self).__getattribute__(name)  # then nn.Module.__getattr__ (fx's)
+
+    cls = type(module)
+    view_class = type(cls.__name__, (cls,), {"forward": forward, "__getattribute__": __getattribute__,
+                                             "__module__": cls.__module__})
+    view = object.__new__(view_class)
+    vars(view).update(vars(module))
+    return view
 
 
 # ---- guards: which instance state a trace depended on -----------------------------------------
@@ -348,152 +310,46 @@ def _token(value: Any) -> tuple:
 
 
 def _instance_token(module: nn.Module, name: str) -> tuple:
-    """The guard token of ``module.<name>`` as plain Python sees it (never an fx proxy)."""
+    """The guard token of ``module.<name>``: instance dict and class first, then nn.Module's stores."""
     try:
-        value = object.__getattribute__(module, name)  # instance dict, class attributes, methods
+        return _token(object.__getattribute__(module, name))
     except AttributeError:
-        try:
-            value = _REAL_MODULE_GETATTR(module, name)  # parameters, buffers, submodules
-        except AttributeError:
-            return ("missing",)
-    return _token(value)
-
-
-class _Recorder:
-    """Collects the attributes of the traced module that its forward reads."""
-
-    def __init__(self, root: nn.Module):
-        self.root = root
-        self.reads: dict[str, tuple] = {}
-
-    def note(self, module: nn.Module, name: str) -> None:
-        if module is not self.root or name in self.reads:
-            return
-        if name.startswith("__") or name in _MODULE_INTERNALS or name == "forward":
-            return  # "forward" is part of the cache key already
-        self.reads[name] = _instance_token(module, name)
-
-
-_recorder = threading.local()
-
-# A trace swaps the module's class and fx patches nn.Module process-wide: one trace at a time.
-_TRACE_LOCK = threading.RLock()
-
-
-def _note_read(module: nn.Module, name: str) -> None:
-    recorder = getattr(_recorder, "active", None)
-    if recorder is not None:
-        recorder.note(module, name)
-
-
-_tracing_classes: dict[tuple[type, Callable], type] = {}
-
-
-def _tracing_class(cls: type, forward: Callable) -> type:
-    """A subclass of ``cls`` whose forward is ``forward`` and whose attribute reads are recorded.
-
-    The traced instance wears this class only for the duration of the trace.
-    """
-    key = (cls, forward)
-    if key not in _tracing_classes:
-
-        def __getattribute__(self, name):
-            value = super(sub, self).__getattribute__(name)
-            if not name.startswith("__"):
-                _note_read(self, name)
-            return value
-
-        def __getattr__(self, name):  # parameters, buffers, submodules (fx proxies the first two)
-            _note_read(self, name)
-            return super(sub, self).__getattr__(name)
-
-        sub = type(cls.__name__, (cls,), {"forward": forward, "__getattribute__": __getattribute__,
-                                         "__getattr__": __getattr__, "__module__": cls.__module__})
-        _tracing_classes[key] = sub
-    return _tracing_classes[key]
+        stores = [vars(module).get(store, {}) for store in ("_parameters", "_buffers", "_modules")]
+        return next((_token(store[name]) for store in stores if name in store), ("missing",))
 
 
 # ---- the fuser ------------------------------------------------------------------------------------
 
 
+def _forwards(module: nn.Module) -> list[Callable]:
+    """The module's forward functions, unwrapped: one bound on the instance (fusers may bind a
+    rewritten forward there), then those of its classes, nearest first."""
+    found = [vars(module).get("forward")] + [vars(klass).get("forward") for klass in type(module).__mro__]
+    return [inspect.unwrap(getattr(fn, "__func__", fn)) for fn in found if fn is not None]
+
+
 def forward_function(module: nn.Module) -> Callable:
     """The function that is the module's forward, unwrapped (``@deprecate_kwarg`` & co)."""
-    forward = vars(module).get("forward")  # fusers may bind a rewritten forward on the instance
-    if forward is None:
-        forward = type(module).forward
-    forward = getattr(forward, "__func__", forward)
-    return inspect.unwrap(forward)
-
-
-_INTERFACE_NAMES = frozenset({"ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "get_interface"})
-
-
-def _names_interface(fn: Any) -> bool:
-    code = getattr(inspect.unwrap(getattr(fn, "__func__", fn)), "__code__", None)
-    return code is not None and bool(_INTERFACE_NAMES & set(code.co_names))
+    return _forwards(module)[0]
 
 
 def looks_up_attention_interface(module: nn.Module) -> bool:
-    """Cheap filter before tracing: does the module's code name the attention-interface registry?
-
-    A model holds thousands of modules and a trace costs milliseconds; only those whose forward, or
-    a ``forward`` up their class hierarchy (``super().forward(...)``), reads ``ALL_ATTENTION_FUNCTIONS``
-    / ``AttentionInterface`` / ``get_interface`` are traced.
-    """
-    if _names_interface(vars(module).get("forward")):
-        return True
-    return _class_looks_up_attention_interface(type(module))
-
-
-@functools.lru_cache(maxsize=None)
-def _class_looks_up_attention_interface(cls: type) -> bool:
-    return any(_names_interface(vars(klass).get("forward")) for klass in cls.__mro__)
-
-
-def _hidden_size(module: nn.Module) -> int | None:
-    size = getattr(getattr(module, "config", None), "hidden_size", None)
-    if isinstance(size, int):
-        return size
-    for child in module.modules():
-        if isinstance(child, nn.Linear):
-            return child.in_features
-    return None
-
-
-def _compute_dtype(module: nn.Module) -> torch.dtype:
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.get_default_dtype()
+    """Cheap filter before tracing (a model holds thousands of modules; a trace costs milliseconds):
+    does a forward of the module, or one it inherits (``super().forward()``), name the registry?"""
+    return any(_INTERFACE_NAMES & set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+               for fn in _forwards(module))
 
 
 def _placeholder_values(module: nn.Module, parameters: dict[str, inspect.Parameter]) -> dict[str, Any]:
     """Meta stand-ins for the inputs whose shape a forward commonly asks about."""
-    dtype, hidden, n = _compute_dtype(module), _hidden_size(module), _META_TOKENS
-    values: dict[str, Any] = {}
-    if "hidden_states" in parameters and hidden is not None:
-        values["hidden_states"] = torch.empty(1, n, hidden, dtype=dtype, device="meta")
-    if "attention_mask" in parameters:
-        values["attention_mask"] = torch.empty(1, 1, n, n, dtype=dtype, device="meta")
-    if "position_ids" in parameters:
-        values["position_ids"] = torch.empty(1, n, dtype=torch.long, device="meta")
-    return values
-
-
-def _peel(arg: Any) -> Any:
-    while (isinstance(arg, fx.Node) and arg.op == "call_method" and arg.target in _PASS_THROUGH_METHODS
-           and arg.args):
-        arg = arg.args[0]
-    return arg
-
-
-def _describe(arg: Any) -> str:
-    if isinstance(arg, fx.Node):
-        if arg.target is foreign_value:
-            return str(arg.args[0])
-        target = getattr(arg.target, "__name__", arg.target)
-        return f"the result of {arg.op} {target!r}"
-    return repr(arg)
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+    if not isinstance(hidden, int):
+        hidden = next((m.in_features for m in module.modules() if isinstance(m, nn.Linear)), None)
+    n = _META_TOKENS
+    shapes = {"hidden_states": (1, n, hidden), "attention_mask": (1, 1, n, n), "position_ids": (1, n)}
+    return {name: torch.empty(shape, dtype=torch.long if name == "position_ids" else dtype, device="meta")
+            for name, shape in shapes.items() if name in parameters and None not in shape}
 
 
 def _sink_of(node: fx.Node, root: nn.Module) -> SinkSite | None:
@@ -501,24 +357,35 @@ def _sink_of(node: fx.Node, root: nn.Module) -> SinkSite | None:
     arg = node.kwargs.get("s_aux")
     if arg is None:
         return None
-    arg = _peel(arg)
+    while isinstance(arg, fx.Node) and arg.op == "call_method" and arg.target in _PASS_THROUGH_METHODS:
+        arg = arg.args[0]
     if isinstance(arg, fx.Node) and arg.op == "get_attr":
-        target = str(arg.target)
-        if target in dict(root.named_parameters()):
-            return SinkSite(target, "parameter")
-        if target in dict(root.named_buffers()):
-            return SinkSite(target, "buffer")
-    raise SinkFuserError(f"s_aux is {_describe(arg)}; vLLM's Attention needs the sink parameter the "
-                         "module holds (one value per head), not a tensor computed in forward")
+        if arg.target in dict(root.named_parameters()):
+            return SinkSite(arg.target, "parameter")
+        if arg.target in dict(root.named_buffers()):
+            return SinkSite(arg.target, "buffer")
+        what = f"{arg.target!r}, a tensor that is not a parameter or buffer"
+    elif isinstance(arg, fx.Node):
+        what = f"the result of {arg.op} {getattr(arg.target, '__name__', arg.target)!r}"
+    else:
+        what = repr(arg)
+    raise SinkFuserError(f"s_aux is {what}; vLLM's Attention needs the sink parameter the module "
+                         "holds (one value per head), not a tensor computed in forward")
 
 
-@dataclasses.dataclass
-class _Variant:
-    guards: dict[str, tuple]
-    site: AttentionSite
-
-    def matches(self, module: nn.Module) -> bool:
-        return all(_instance_token(module, name) == token for name, token in self.guards.items())
+def _site(name: str, nodes: list[fx.Node], module: nn.Module, error: Exception | None) -> AttentionSite:
+    if not nodes:
+        problem = error and ("tracing its forward failed before the attention-interface call "
+                             f"({type(error).__name__}: {error})")
+        return AttentionSite(name, None, 0, problem)
+    try:
+        sinks = {_sink_of(node, module) for node in nodes} - {None}
+    except SinkFuserError as e:
+        return AttentionSite(name, None, len(nodes), str(e))
+    if len(sinks) > 1:
+        paths = ", ".join(sorted(s.path for s in sinks))
+        return AttentionSite(name, None, len(nodes), f"its interface calls pass different sinks ({paths})")
+    return AttentionSite(name, next(iter(sinks), None), len(nodes))
 
 
 class SinkFuser:
@@ -528,8 +395,8 @@ class SinkFuser:
     MAX_VARIANTS = 64
 
     def __init__(self) -> None:
-        self._variants: dict[tuple[type, Callable], list[_Variant]] = {}
-        self._lock = threading.RLock()
+        # (class, forward) -> [(guards: attribute name -> token, site)]
+        self._variants: dict[tuple[type, Callable], list[tuple[dict[str, tuple], AttentionSite]]] = {}
         self.traces = 0  # traces run so far (how well the cache works)
 
     def find(self, module: nn.Module) -> AttentionSite | None:
@@ -537,78 +404,44 @@ class SinkFuser:
         if not looks_up_attention_interface(module):
             return None
         forward = forward_function(module)
-        key = (type(module), forward)
-        with self._lock:
-            for variant in self._variants.get(key, ()):
-                if variant.matches(module):
-                    return variant.site
-            site, guards = self._analyse(module, forward)
-            variants = self._variants.setdefault(key, [])
-            if len(variants) < self.MAX_VARIANTS:
-                variants.append(_Variant(guards, site))
-            return site if site.interface_calls or site.problem else None
+        with _LOCK:
+            variants = self._variants.setdefault((type(module), forward), [])
+            site = next((site for guards, site in variants
+                         if all(_instance_token(module, n) == t for n, t in guards.items())), None)
+            if site is None:
+                graph, nodes, guards, error = self._trace(module, forward)
+                site = _site(type(module).__name__, nodes, module, error)
+                if len(variants) < self.MAX_VARIANTS:
+                    variants.append((guards, site))
+        return site if site.interface_calls or site.problem else None
 
     def scan(self, model: nn.Module, prefix: str = "") -> dict[str, AttentionSite]:
         """Qualified name -> site, for every module of ``model`` that calls the attention interface."""
-        found = {}
-        for name, module in model.named_modules(prefix=prefix):
-            site = self.find(module)
-            if site is not None:
-                found[name] = site
-        return found
+        sites = {name: self.find(module) for name, module in model.named_modules(prefix=prefix)}
+        return {name: site for name, site in sites.items() if site is not None}
 
     def trace(self, module: nn.Module) -> fx.Graph:
         """The (possibly partial) graph of the module's forward, for inspection and tests."""
-        graph, _, _, _ = self._trace(module, forward_function(module))
-        return graph
-
-    # -- internals --------------------------------------------------------------------------------
-
-    def _analyse(self, module: nn.Module, forward: Callable) -> tuple[AttentionSite, dict[str, tuple]]:
-        graph, nodes, guards, error = self._trace(module, forward)
-        name = type(module).__name__
-        if not nodes:
-            problem = None
-            if error is not None:
-                problem = (f"tracing its forward failed before the attention-interface call "
-                           f"({type(error).__name__}: {error})")
-            return AttentionSite(name, None, 0, problem), guards
-        try:
-            sinks = {_sink_of(node, module) for node in nodes} - {None}
-        except SinkFuserError as e:
-            return AttentionSite(name, None, len(nodes), str(e)), guards
-        if len(sinks) > 1:
-            paths = ", ".join(sorted(s.path for s in sinks))
-            return AttentionSite(name, None, len(nodes),
-                                 f"its interface calls pass different sinks ({paths})"), guards
-        return AttentionSite(name, next(iter(sinks), None), len(nodes)), guards
+        return self._trace(module, forward_function(module))[0]
 
     def _trace(self, module: nn.Module, forward: Callable):
+        """Graph, interface-call nodes, guards (each attribute read, as a token) and the error if any."""
         try:
             parameters = dict(list(inspect.signature(forward).parameters.items())[1:])  # drop self
         except (TypeError, ValueError) as e:
             return fx.Graph(), [], {}, e
         concrete: dict[str, Any] = {n: None for n in parameters if n in CACHE_ARGUMENTS}
-        for p in parameters.values():
-            if p.kind is inspect.Parameter.VAR_KEYWORD:
-                concrete["**" + p.name] = {}
-        tracer = _SinkTracer(_placeholder_values(module, parameters))
-        recorder = _Recorder(module)
-        error: Exception | None = None
-        original_class = module.__class__
-        with _TRACE_LOCK, _interface_as_leaf(tracer):
+        concrete.update({"**" + p.name: {} for p in parameters.values() if p.kind is p.VAR_KEYWORD})
+        tracer, reads, error = _SinkTracer(_placeholder_values(module, parameters)), set(), None
+        with _LOCK, _interface_stand_ins(module, tracer):
             self.traces += 1
-            _recorder.active = recorder
-            module.__class__ = _tracing_class(original_class, forward)
             try:
-                tracer.trace(module, concrete_args=concrete or None)
+                tracer.trace(_tracing_view(module, forward, reads), concrete_args=concrete or None)
             except Exception as e:  # noqa: BLE001 - a partial graph may already hold the interface call
                 error = e
-                logger.debug("vllm-sinks: tracing %s stopped: %s", original_class.__name__, e)
-            finally:
-                module.__class__ = original_class
-                _recorder.active = None
-        return tracer.graph, list(tracer.interface_nodes), recorder.reads, error
+                logger.debug("vllm-sinks: tracing %s stopped: %s", type(module).__name__, e)
+        guards = {name: _instance_token(module, name) for name in sorted(reads)}
+        return tracer.graph, list(tracer.interface_nodes), guards, error
 
 
 #: The process-wide fuser the patches use (its cache lives as long as the process).
