@@ -483,6 +483,7 @@ class WalkLaunch:
     # grid and scalar arguments by length bound: the launch is CPU-bound for one MiMo image, so
     # nothing is recomputed per call (a ViT passes the same bound in every layer)
     _by_bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _compiled: list = dataclasses.field(default_factory=list, compare=False, repr=False)  # [True] once launched
 
     @classmethod
     def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks):
@@ -524,8 +525,6 @@ class WalkLaunch:
                  chunk: int | None = None) -> bool:
         """Launch; False (nothing launched, nothing written) when this kernel variant failed to
         compile, which is then reported once and never tried again: the caller falls back."""
-        if self.variant in _FAILED_VARIANTS:
-            return False
         bound = self._by_bound.get((max_len_hint, chunk))
         if bound is None:
             chunk_tiles, num_chunks = self.chunking(max_len_hint, chunk)
@@ -536,6 +535,11 @@ class WalkLaunch:
             bound = self._by_bound[(max_len_hint, chunk)] = (grid, tail, (self.token, max_len_hint, chunk))
         grid, tail, signature = bound
         tensors = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len)
+        if self._compiled:  # the common case: nothing to decide
+            _LAUNCHER(signature, grid, tensors, tail, self.constexprs, self.options)
+            return True
+        if self.variant in _FAILED_VARIANTS:
+            return False
         try:  # the first launch of a variant compiles it
             _LAUNCHER(signature, grid, tensors, tail, self.constexprs, self.options)
         except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
@@ -547,4 +551,5 @@ class WalkLaunch:
                           "shape", stacklevel=2)
             return False
         _COMPILED_VARIANTS.add(self.variant)
+        self._compiled.append(True)
         return True
