@@ -1,0 +1,106 @@
+"""Where the CPU time of one op call goes, for a call signature seen before (GPU machine).
+
+    python3 benchmarks/kernels/host_cost.py [--calls 2000]
+
+One MiMo image (1 × 4096 tokens, 32/8 heads, D 64, window ±64, key-0 sinks; max_input_len a CPU
+tensor, as MiMo passes it) and the same call with an int bound on full attention (the portable
+kernel). Each row is the median over 7 repetitions of a CPU timer around ``--calls`` calls, the GPU
+work only queued (synchronised outside the timer). Rows:
+
+- call key: building the call signature (``prefill_attention_problem.call_key``);
+- op call: ``context_attention_fwd`` end to end (key, plan lookup, launch);
+- plan launch: the chosen kernel's launch object on this call's tensors (grid by bound, then
+  ``DirectLauncher``: alignment, hooks, stream, Triton's compiled launcher);
+- triton [grid]: the same kernel launched through ``kernel[grid](...)`` (Triton's own binding):
+  what each launch would cost without the direct path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
+from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
+from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # noqa: E402
+
+
+def per_call_us(fn, calls: int, reps: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def case(name, tokens, hq, hkv, bound, kwargs, calls):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(tokens, hq, 64, device="cuda", generator=g).bfloat16()
+    k = torch.randn(tokens, hkv, 64, device="cuda", generator=g).bfloat16()
+    v = torch.randn_like(k)
+    o = torch.empty_like(q)
+    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
+    lens = torch.full((1,), tokens, dtype=torch.int32, device="cuda")
+    sinks = kwargs.get("sinks")
+    args = (q, k, v, o, starts, lens, bound, kwargs.get("is_causal", True), None,
+            kwargs.get("sliding_window_q"), kwargs.get("sliding_window_k"), sinks,
+            kwargs.get("sinks_bias_key0", False))
+    chosen = op.plan(*args)
+    launch = chosen.walk or chosen.portable
+    rows = {"call key": per_call_us(lambda: call_key(*args), calls),
+            "op call": per_call_us(lambda: op.context_attention_fwd(q, k, v, o, starts, lens, bound,
+                                                                    **kwargs), calls)}
+    hint = tokens
+    rows["plan launch"] = per_call_us(lambda: launch(q, k, v, o, starts, lens, sinks, hint), calls)
+    tensors = (q, k, v, o, sinks if sinks is not None else q, starts, lens)
+    if chosen.walk is not None:
+        grid, tail, _ = launch._by_bound[(hint, None)]
+        kernel, constexprs = gw._window_walk_kernel, launch.constexprs
+    else:
+        grid, constexprs, _ = launch._by_bound[hint]
+        kernel, tail = portable._prefill_attention_kernel, launch.scalars
+    rows["triton [grid]"] = per_call_us(
+        lambda: kernel[grid](*tensors, *tail, **constexprs, **launch.options), calls)
+    print(f"{name} ({chosen.kernel}): " + ", ".join(f"{k} {v:.1f} µs" for k, v in rows.items()))
+    return chosen.kernel, rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    args = ap.parse_args(argv)
+    import triton
+
+    sinks = torch.randn(32, device="cuda") * 2
+    results = [
+        ("MiMo 1×4096, CPU-tensor bound",) + case(
+            "mimo", 4096, 32, 8, torch.tensor(4096),
+            dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
+                 sinks_bias_key0=True), args.calls),
+        ("full attention 1×1024, int bound",) + case(
+            "full", 1024, 16, 16, 1024, dict(is_causal=False), args.calls),
+    ]
+    print(f"\nHost cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__} (median of 7 × {args.calls} calls)\n")
+    names = list(results[0][2])
+    print("| case | kernel | " + " | ".join(f"{n} µs" for n in names) + " |")
+    print("|---" * (2 + len(names)) + "|")
+    for label, kernel, rows in results:
+        print(f"| {label} | {kernel} | " + " | ".join(f"{rows[n]:.1f}" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
