@@ -5,6 +5,9 @@
 #   VLLM_SINKS_VERSIONS="0.29.0" bash scripts/test.sh      # one vLLM version
 #   VLLM_SINKS_PYTEST_ARGS="-m 'not slow'" bash scripts/test.sh
 #
+# Each venv first compiles the Hopper kernel for sm_90a under its Triton (3.8.0 in the no-vLLM venv,
+# as vLLM 0.33 installs; 3.7.1 in the others, as vLLM 0.27-0.32 do): a Triton release whose Gluon
+# API breaks the kernel fails the run here, without a GPU.
 # Layout of the run: tests/unit + tests/op + tests/gpu in a venv without vLLM (the op must work there;
 # gpu tests skip cleanly on CPU); tests/unit + tests/vllm in each vLLM venv (tests/unit again because
 # each venv pins a different transformers, which the SinkFuser must trace). Venvs build in the
@@ -51,11 +54,24 @@ run_pytest() {  # name venv paths...
   echo "=== [$name] rc=$rc in $(( $(date +%s) - t0 )) s"
 }
 
+compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90a under this Triton
+  local name=$1 venv=$2 case
+  for case in mimo gpt-oss; do
+    echo "=== [$name] compile check: benchmarks/kernels/inspect_window_walk.py --case $case"
+    if ! "$venv/bin/python" benchmarks/kernels/inspect_window_walk.py --case "$case" \
+        >"$out/compile-$name-$case.log" 2>&1; then
+      echo "compile check FAILED ($name, $case):"; tail -n 30 "$out/compile-$name-$case.log"; status=1
+    else head -n 1 "$out/compile-$name-$case.log"; fi
+  done
+}
+
 if venv=$(wait_venv none); then
+  compile_hopper_kernel no-vllm "$venv"
   run_pytest no-vllm "$venv" tests/unit tests/op tests/gpu
 else status=1; fi
 for v in $versions; do
   if venv=$(wait_venv "$v"); then
+    compile_hopper_kernel "vllm-$v" "$venv"
     run_pytest "vllm-$v" "$venv" tests/unit tests/vllm
   else status=1; fi
 done

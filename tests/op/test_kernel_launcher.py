@@ -27,7 +27,8 @@ class FakeCompiled:
 class FakeKernel:
     """``kernel[grid](*args, **kw)`` compiles (counted) and returns one compiled kernel per call."""
 
-    params = [types.SimpleNamespace(name=n) for n in ("X", "n", "scale", "BLOCK", "MODE")]
+    params = [types.SimpleNamespace(name=n)
+              for n in ("Q", "K", "V", "O", "S", "Start", "Len", "n", "scale", "BLOCK", "MODE")]
 
     def __init__(self):
         self.compiles = []
@@ -51,29 +52,29 @@ def test_first_call_compiles_then_launches_directly():
     launcher = _launcher(kernel)
     x = torch.zeros(64)
     constexprs = dict(MODE=2, BLOCK=16)  # any order: the launcher orders them as the kernel does
-    assert launcher("sig", (4, 1, 1), (x,), (64, 0.5), constexprs, dict(num_warps=4)) is kernel.last
+    assert launcher("sig", (4, 1, 1), (x,) * 7, (64, 0.5), constexprs, dict(num_warps=4)) is kernel.last
     assert len(kernel.compiles) == 1 and kernel.compiles[0][2] == dict(MODE=2, BLOCK=16, num_warps=4)
     compiled = kernel.last
     y = torch.ones(64)
-    launcher("sig", (4, 1, 1), (y,), (64, 0.25), constexprs, dict(num_warps=4))
+    launcher("sig", (4, 1, 1), (y,) * 7, (64, 0.25), constexprs, dict(num_warps=4))
     assert len(kernel.compiles) == 1  # no second trip through Triton
     (run,) = compiled.runs
     assert run[:9] == (4, 1, 1, "stream3", "fn-handle", "meta", None, None, None)
-    assert run[9] is y and run[10:] == (64, 0.25, 16, 2)  # this call's tensors, constexprs in order
+    assert run[9] is y and run[16:] == (64, 0.25, 16, 2)  # this call's tensors, constexprs in order
 
 
 def test_new_signature_or_alignment_goes_through_triton():
     kernel = FakeKernel()
     launcher = _launcher(kernel)
     x = torch.zeros(64)
-    launcher("a", (1, 1, 1), (x,), (64, 1.0), dict(BLOCK=16, MODE=0), {})
-    launcher("b", (1, 1, 1), (x,), (64, 1.0), dict(BLOCK=16, MODE=0), {})
+    launcher("a", (1, 1, 1), (x,) * 7, (64, 1.0), dict(BLOCK=16, MODE=0), {})
+    launcher("b", (1, 1, 1), (x,) * 7, (64, 1.0), dict(BLOCK=16, MODE=0), {})
     assert len(kernel.compiles) == 2
     misaligned = x[1:]  # 4 bytes past a 16-byte boundary: Triton specialises on that
     for _ in range(2):  # never cached: every such call goes through Triton
-        launcher("a", (1, 1, 1), (misaligned,), (63, 1.0), dict(BLOCK=16, MODE=0), {})
+        launcher("a", (1, 1, 1), (x,) * 6 + (misaligned,), (63, 1.0), dict(BLOCK=16, MODE=0), {})
     assert len(kernel.compiles) == 4
-    launcher("a", (1, 1, 1), (x,), (64, 1.0), dict(BLOCK=16, MODE=0), {})
+    launcher("a", (1, 1, 1), (x,) * 7, (64, 1.0), dict(BLOCK=16, MODE=0), {})
     assert len(kernel.compiles) == 4  # the aligned entry is still there
 
 
@@ -81,9 +82,9 @@ def test_launch_hooks_send_every_call_through_triton(monkeypatch):
     kernel = FakeKernel()
     launcher = _launcher(kernel)
     x = torch.zeros(64)
-    launcher("a", (1, 1, 1), (x,), (64, 1.0), dict(BLOCK=16, MODE=0), {})
+    launcher("a", (1, 1, 1), (x,) * 7, (64, 1.0), dict(BLOCK=16, MODE=0), {})
     monkeypatch.setattr(kernel_launcher, "_hooks_set", lambda: True)
-    launcher("a", (1, 1, 1), (x,), (64, 1.0), dict(BLOCK=16, MODE=0), {})
+    launcher("a", (1, 1, 1), (x,) * 7, (64, 1.0), dict(BLOCK=16, MODE=0), {})
     assert len(kernel.compiles) == 2
 
 
@@ -98,5 +99,5 @@ def test_interpreter_results_are_not_cached():
     kernel = Interpreted()
     launcher = _launcher(kernel)
     for _ in range(2):
-        assert launcher("a", (1, 1, 1), (torch.zeros(4),), (4, 1.0), dict(BLOCK=16, MODE=0), {}) is None
+        assert launcher("a", (1, 1, 1), (torch.zeros(4),) * 7, (4, 1.0), dict(BLOCK=16, MODE=0), {}) is None
     assert len(kernel.compiles) == 2

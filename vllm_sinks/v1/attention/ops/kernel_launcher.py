@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import torch
 import triton
 
 try:  # Triton >= 3.4
@@ -48,8 +49,9 @@ def new_token() -> int:
 
 
 class DirectLauncher:
-    """Launches of one jitted kernel, by signature. The kernel takes its tensors first, then its
-    scalars, then its compile-time parameters (both of the op's kernels are declared so)."""
+    """Launches of one jitted kernel, by signature. The kernel takes its seven tensors first (q, k,
+    v, o, sinks, start offsets, lengths), then its scalars, then its compile-time parameters (both
+    of the op's kernels are declared so)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -64,13 +66,13 @@ class DirectLauncher:
         arguments, constexprs, options (a plan's ``new_token()`` and its grid do)."""
         # Triton specialises each pointer on 16-byte alignment: calls whose tensors are all
         # aligned (every tensor the allocator hands out) share one entry; others go through Triton.
-        aligned = 0
-        for t in tensors:
-            aligned |= t.data_ptr()
-        entry = self._compiled.get(signature) if aligned & 15 == 0 else None
+        q, k, v, o, s, start, length = tensors  # both kernels take these seven
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | s.data_ptr()
+                   | start.data_ptr() | length.data_ptr()) & 15 == 0
+        entry = self._compiled.get(signature) if aligned else None
         if entry is None or _hooks_set():
             compiled = self.kernel[grid](*tensors, *scalars, **constexprs, **options)
-            if aligned & 15 == 0 and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
+            if aligned and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
                 if len(self._compiled) >= _MAX_ENTRIES:
                     self._compiled.clear()
                 names = [p.name for p in self.kernel.params][len(tensors) + len(scalars):]
@@ -78,9 +80,19 @@ class DirectLauncher:
             return compiled
         compiled, tail = entry
         if self._stream is None:
-            driver = triton.runtime.driver.active
-            self._stream = (driver.get_current_stream, driver.get_current_device)
+            self._stream = _stream_functions()
         get_stream, get_device = self._stream
         compiled.run(grid[0], grid[1], grid[2], get_stream(get_device()), compiled.function,
                      compiled.packed_metadata, None, None, None, *tensors, *scalars, *tail)
         return compiled
+
+
+def _stream_functions():
+    """(current raw stream of a device, current device): what Triton's CUDA driver reads, straight
+    from torch's C functions where they exist (Triton's wrappers add a lazy-init check per call)."""
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    if get_stream is None or get_device is None:
+        driver = triton.runtime.driver.active
+        return driver.get_current_stream, driver.get_current_device
+    return get_stream, get_device
