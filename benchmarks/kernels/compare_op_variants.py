@@ -4,7 +4,7 @@
 
 VARIANTS is a text file, one variant per line: ``name  path/to/module.py  {LaunchConfig JSON}``
 (``#`` starts a comment). Each module is a scratch copy of
-``vllm_sinks/v1/attention/ops/triton_prefill_attention.py`` with one kernel change; the JSON overrides
+``vllm_sinks/v1/attention/ops/prefill_attention_portable.py`` (the portable kernel) with one kernel change; the JSON overrides
 fields of that module's default tile shape (``{}`` for none). Every variant is checked against the
 fp32 reference and timed twice per case (do_bench median, L2 flushed), interleaved, so the spread
 between the two passes shows the noise. Why: the H200 moves by a few percent between runs, and
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from benchmark_prefill_attention import _bench, _cases, _inputs, _op_kwargs  # noqa: E402
 
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
     reference_prefill_attention,
     relative_l2,
@@ -72,7 +73,7 @@ def main(argv=None):
             for name, path, overrides in variants:
                 op = modules[path]
                 o = torch.full_like(q, float("nan"))
-                p = op._validate(q, k, v, o, starts, lens, case.seq_len, case.is_causal, None,
+                p = validate(q, k, v, o, starts, lens, case.seq_len, case.is_causal, None,
                                  case.window_q, case.window_k, sinks, case.sink_mode == "key0")
                 cfg = dataclasses.replace(op.choose_config(p), **overrides)
                 try:

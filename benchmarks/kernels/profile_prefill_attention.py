@@ -25,11 +25,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from benchmark_prefill_attention import _cases, _inputs  # noqa: E402
 
-from vllm_sinks.v1.attention.ops.triton_prefill_attention import (  # noqa: E402
-    _validate,
-    choose_config,
-    launch,
-)
+from vllm_sinks.v1.attention.ops.prefill_attention_portable import choose_config, launch  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate as _validate  # noqa: E402
 
 
 def main(argv=None):
