@@ -112,16 +112,6 @@ def _timer(device):
     return wall
 
 
-def _warm_gpu(seconds=1.0):
-    """Bring clocks up before the first timed shape."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
-
-
 def measure(s: FullShape, device, dtype, ours, upstream, fa3, bench) -> dict:
     from benchmarks.kernels.peers import cu_seqlens_from
     from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
@@ -215,6 +205,7 @@ def main(argv=None):
         warnings.filterwarnings("ignore", "invalid value encountered in divide", RuntimeWarning)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     from benchmarks.kernels import peers
+    from benchmarks.kernels.gpu_warmup import warm_gpu
     from vllm_sinks.v1.attention.ops.triton_prefill_attention import context_attention_fwd
 
     device = torch.device("cuda" if cuda else "cpu")
@@ -238,7 +229,7 @@ def main(argv=None):
               + "err = relative L2 vs an fp32 torch reference. "
               f"upstream: vLLM 0.33.0 context_attention_fwd {'loaded' if upstream else 'not loaded'}.")
     if cuda:
-        _warm_gpu()
+        warm_gpu()
     bench = _timer(device)
     rows = []
     t0 = time.time()

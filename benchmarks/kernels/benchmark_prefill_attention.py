@@ -389,16 +389,6 @@ def markdown(rows, bandwidth, device_name) -> str:
     return "\n".join(out + (["", "Failed calls:"] + errors if errors else [])) + "\n"
 
 
-def _warm_gpu(seconds=1.0):
-    """Bring the clocks up before the first timed case (they idle low between compiles)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
-
-
 # ---- tile-shape sweep ----------------------------------------------------------------------------
 
 def _sweep(p, group: int) -> list[LaunchConfig]:
@@ -486,9 +476,10 @@ def main(argv=None):
         sys.exit("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
     from benchmarks.kernels import peers
+    from benchmarks.kernels.gpu_warmup import warm_gpu
 
     args.peers_loaded = (peers.upstream_op(args.peers), peers.fa3_varlen(args.peers))
-    _warm_gpu()
+    warm_gpu()
     cases = _cases()
     best = {}
     if args.tune:
