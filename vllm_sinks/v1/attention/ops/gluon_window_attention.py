@@ -486,16 +486,19 @@ class WalkLaunch:
     _compiled: list = dataclasses.field(default_factory=list, compare=False, repr=False)  # [True] once launched
 
     @classmethod
-    def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks):
-        """A launch when the call fits the kernel, else None."""
+    def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks, gp: int | None = None):
+        """A launch when the call fits the kernel, else None. ``gp``: query heads per tile (a
+        power of two ≥ 4 dividing the heads per KV head; tiles are 64 / gp tokens), default the
+        most that divide (benchmarks/kernels/sweep_walk_tiles.py times the others)."""
         if not p.host_bound or walk_unavailable(p.device) is not None:
             return None
         if p.dtype not in (torch.float16, torch.bfloat16) or p.out_dtype != p.dtype:
             return None
         if p.head_dim != HEAD_DIM or p.empty or p.num_seqs > MAX_GRID_YZ:
             return None
-        gp = min(p.queries_per_kv & -p.queries_per_kv, ROWS)
-        if gp < ROWS // BLOCK_KEYS:
+        most = min(p.queries_per_kv & -p.queries_per_kv, ROWS)
+        gp = most if gp is None else gp
+        if gp < ROWS // BLOCK_KEYS or gp > most or gp & (gp - 1):
             return None
         geometry = walk_geometry(ROWS // gp, p.window_q, p.window_k, p.is_causal)
         if geometry is None:
