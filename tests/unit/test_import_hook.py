@@ -14,6 +14,7 @@ import inspect
 import itertools
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -148,7 +149,9 @@ def test_op_module_first_then_backend_binds_ours(fake, monkeypatch):
     assert _status().detail == "ops and backend"
     infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
     assert len(infos) == 1, infos  # one line when the patch resolves, none for the second binding
-    assert infos[0].startswith(f"fake applied (ops) (on import of {fake.ops}) [pid {os.getpid()}, ")
+    assert re.match(rf"fake applied \(ops\) \(on import of {fake.ops}, \d+ ms\) \[pid {os.getpid()}, ",
+                    infos[0]), infos[0]
+    assert registry.seconds_spent()["fake"] > 0
 
 
 def test_backend_first_imports_op_module_inside_and_binds_ours(fake, monkeypatch):
@@ -380,7 +383,7 @@ def test_forked_child_resolves_an_armed_patch_itself(fake, monkeypatch, tmp_path
     assert proc.stdout.splitlines() == ["child ours applied", "parent False armed"], proc.stdout
     lines = [line for line in proc.stderr.splitlines() if "[vllm-sinks]" in line]
     assert len(lines) == 3, proc.stderr  # parent's report line, child's report line, child's resolution
-    assert "fake applied (ops) (on import of" in lines[2]
+    assert "fake applied (ops) (on import of " in lines[2]
 
 
 def pathlib_root():

@@ -26,6 +26,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from types import ModuleType
 from typing import Callable
 
@@ -240,6 +241,7 @@ class _State:
     busy: bool = False
     again: bool = False
     hook: Callable[[str, ModuleType], None] | None = None
+    seconds: float = 0.0  # wall time spent in this patch's probe/apply in this process
 
 
 _lock = threading.RLock()
@@ -293,6 +295,7 @@ def _resolve(state: _State, action: str, trigger: str | None) -> None:
     info = _info
     while True:
         previous = state.result
+        start = time.perf_counter()
         try:
             if action == "run":
                 result = state.patch.run(info)
@@ -302,7 +305,9 @@ def _resolve(state: _State, action: str, trigger: str | None) -> None:
             with _lock:
                 state.busy = state.again = False
             raise
+        took = time.perf_counter() - start
         with _lock:
+            state.seconds += took
             if _states is None or state not in _states:  # reset meanwhile (tests)
                 state.busy = state.again = False
                 return
@@ -312,20 +317,27 @@ def _resolve(state: _State, action: str, trigger: str | None) -> None:
             if again:
                 state.busy = True
         if trigger is not None:
-            _log_resolution(previous, result, trigger)
+            _log_resolution(previous, result, trigger, took)
         if not again:
             return
         action, trigger = "reapply", trigger or "a concurrent import"
 
 
-def _log_resolution(previous: Result, result: Result, trigger: str) -> None:
+def _log_resolution(previous: Result, result: Result, trigger: str, took: float) -> None:
     if previous.status is Status.ARMED:  # one INFO line per patch per process: how it resolved
         level = logging.INFO if result.status in (Status.APPLIED, Status.STOOD_DOWN,
                                                   Status.NOT_APPLICABLE) else logging.WARNING
-        logger.log(level, "%s (on import of %s) [%s]", result, trigger, _process())
     elif result != previous:
         level = logging.DEBUG if result.status is Status.APPLIED else logging.WARNING
-        logger.log(level, "%s (on import of %s) [%s]", result, trigger, _process())
+    else:
+        return
+    logger.log(level, "%s (on import of %s, %.0f ms) [%s]", result, trigger, took * 1e3, _process())
+
+
+def seconds_spent() -> dict[str, float]:
+    """Wall time each patch's probe/apply took in this process so far (the plugin's own cost)."""
+    with _lock:
+        return {s.patch.name: s.seconds for s in _states or ()}
 
 
 def _on_import(state: _State, name: str, module: ModuleType) -> None:
