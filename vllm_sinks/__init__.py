@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 
 
 def register():
-    """vLLM plugin entry point: apply every applicable patch, once per process.
+    """vLLM plugin entry point: arm every patch on its upstream modules (applied when vLLM imports
+    them), once per process.
 
     Returns the per-patch results (vLLM ignores them; tests and tools read them).
     """

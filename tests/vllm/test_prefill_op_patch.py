@@ -1,7 +1,9 @@
 """The ``prefill-op`` patch on the installed vLLM: which names it rebinds, which it leaves alone.
 
 Runs in each vLLM venv (0.27.1, 0.29.0, 0.32.0). vLLM's CPU build replaces Triton with a placeholder,
-so its own op cannot run here; ours runs through Triton's interpreter.
+so its own op cannot run here; ours runs through Triton's interpreter. The patch is CUDA-only: on the
+CPU it stands down unless forced, so these tests force it (``VLLM_SINKS_PREFILL_OP=on``) where there is
+no CUDA, and check the stand-down without it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ pytestmark = pytest.mark.vllm
 
 PATCH = next(p for p in PATCHES if p.name == "prefill-op")
 PREFIX_PREFILL = "vllm.v1.attention.ops.prefix_prefill"
+ON_CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture
-def vllm_names():
-    """The three modules' ``context_attention_fwd`` bindings, restored after the test."""
+def vllm_names(monkeypatch):
+    """The three modules' ``context_attention_fwd`` bindings, restored after the test; the patch
+    forced where it would stand down (not CUDA)."""
+    if not ON_CUDA:
+        monkeypatch.setenv(PATCH.env_var, "on")
     mods = {name: importlib.import_module(name)
             for name in (hooks.OP_MODULE, hooks.BACKEND_MODULE, PREFIX_PREFILL)}
     saved = {name: getattr(m, hooks.FUNCTION) for name, m in mods.items()}
@@ -48,7 +54,31 @@ def _upstream_has_key0(mods) -> bool:
     return "sinks_bias_key0" in inspect.signature(fn).parameters
 
 
-def test_probe_reads_the_signature(vllm_names):
+def test_probe_stands_down_off_cuda(vllm_names, monkeypatch):
+    from vllm.platforms import current_platform
+
+    probe = hooks.probe(registry.detect_vllm())
+    if current_platform.is_cuda():
+        assert probe.applies
+        return
+    assert not probe.applies
+    assert probe.reason == ("platform cpu: the op patch is CUDA-only; VLLM_SINKS_PREFILL_OP=on forces it")
+    monkeypatch.delenv(PATCH.env_var)
+    before = {n: getattr(m, hooks.FUNCTION) for n, m in vllm_names.items()}
+    result = PATCH.run(registry.detect_vllm())
+    assert result.status is registry.Status.STOOD_DOWN and "CUDA-only" in result.detail
+    assert {n: getattr(m, hooks.FUNCTION) for n, m in vllm_names.items()} == before
+
+
+def test_forced_off_cuda_says_so(vllm_names):
+    result = PATCH.run(registry.detect_vllm())
+    assert result.status is registry.Status.APPLIED
+    if not ON_CUDA:
+        assert result.detail.startswith("forced by VLLM_SINKS_PREFILL_OP=on; ")
+
+
+def test_probe_reads_the_signature(vllm_names, monkeypatch):
+    monkeypatch.setattr(hooks, "_not_cuda", lambda: None)  # as on CUDA
     probe = hooks.probe(registry.detect_vllm())
     assert probe.applies
     if _upstream_has_key0(vllm_names):

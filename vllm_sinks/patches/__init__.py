@@ -1,9 +1,11 @@
 """The patch registry: every edit vllm-sinks makes to vLLM, documented in one place.
 
-Each entry says which upstream object it edits (target), which of our modules mirrors that upstream
-file (fork), why, how, the upstream PR it carries or works around, and when it can be deleted. The
-same entries drive the one-line startup report (``registry.register_all``), ``vllm-sinks report``
-and the table in docs/patches.md (``vllm-sinks docs``; a test keeps them in step).
+Each entry says which upstream object it edits (target), the upstream modules whose import applies it
+(``modules``: nothing is patched, or imported by us, before vLLM imports one of them), which of our
+modules mirrors that upstream file (fork), why, how, the upstream PR it carries or works around, and
+when it can be deleted. The same entries drive the one-line startup report
+(``registry.register_all``), ``vllm-sinks report`` and the table in docs/patches.md
+(``vllm-sinks docs``; a test keeps them in step).
 
 Opt out of one patch with its env var (``Patch.env_var``): ``VLLM_SINKS_<NAME>=off``; ``on`` applies
 it even where upstream has its own fix. ``VLLM_PLUGINS`` (vLLM's own) turns the whole plugin off.
@@ -40,8 +42,11 @@ PATCHES: tuple[Patch, ...] = (
             "on Hopper run a Gluon kernel that keeps each sequence's band in shared memory, "
             "`gluon_window_attention.py`, with the Triton kernel as the fallback). The probe reads "
             "the upstream signature: without `sinks_bias_key0` ours is the fix, with it a speed patch; "
-            "an unknown parameter is drift. `prefix_prefill.context_attention_fwd` (paged KV, another "
-            "function) is not touched."
+            "an unknown parameter is drift. CUDA only: on any other platform (ROCm, CPU, ...) it stands "
+            "down with the platform in the report, and `VLLM_SINKS_PREFILL_OP=on` forces it. Applied "
+            "when vLLM imports the op module; the backend, which imports the name from it, then binds "
+            "ours (rebound when it arrives if not). `prefix_prefill.context_attention_fwd` (paged KV, "
+            "another function) is not touched."
         ),
         remove_when=(
             "The fix part once the supported range starts at 0.28 (`sinks_bias_key0` everywhere); the "
@@ -49,6 +54,10 @@ PATCHES: tuple[Patch, ...] = (
             "(benchmarks/kernels/benchmark_prefill_attention.py)."
         ),
         hooks="vllm_sinks.patches.prefill_op",
+        modules=(
+            "vllm.v1.attention.ops.triton_prefill_attention",
+            "vllm.v1.attention.backends.triton_attn",
+        ),
     ),
     Patch(
         name="transformers-sinks",
@@ -93,6 +102,9 @@ PATCHES: tuple[Patch, ...] = (
             "rather than `self.<attr>` source expressions."
         ),
         hooks="vllm_sinks.patches.transformers_sinks",
+        # The package, not `.base`: its __init__ imports base and then registers the attention
+        # interfaces we replace, so it is complete only once the package has finished importing.
+        modules=("vllm.model_executor.models.transformers",),
     ),
     Patch(
         name="mimo-vision-sinks",
@@ -117,7 +129,7 @@ PATCHES: tuple[Patch, ...] = (
             "partition (the QKV projection's shard), `max_seqlen` passed without a device-to-host sync. "
             "0.27.x calls the vllm-sinks prefill op; 0.28+ calls "
             "`vllm.v1.attention.ops.triton_prefill_attention.context_attention_fwd` (where the prefill-op "
-            "patch puts ours). Sink semantics: `VLLM_SINKS_MIMO_SINK_SEMANTICS` = `key0` (default, bias "
+            "patch puts ours on CUDA; elsewhere vLLM's op unless `VLLM_SINKS_PREFILL_OP=on`). Sink semantics: `VLLM_SINKS_MIMO_SINK_SEMANTICS` = `key0` (default, bias "
             "on key 0's logit) or `null` (opt-in, null logit); evidence in docs/mimo-sink-semantics.md. "
             "Stands down where upstream reads the sinks, slices them per ViT partition and uses the "
             "selected semantics (probed on a fake data-parallel rank-1 layer)."
@@ -128,5 +140,6 @@ PATCHES: tuple[Patch, ...] = (
             "settled upstream."
         ),
         hooks="vllm_sinks.patches.mimo_vision_sinks",
+        modules=("vllm.model_executor.models.mimo_v2_omni",),
     ),
 )

@@ -17,13 +17,15 @@ def render_table() -> str:
     from vllm_sinks.patches import PATCHES
 
     rows = [
-        "| patch | opt-out env var | upstream target(s) | our fork | why | how | upstream PR | delete when |",
-        "|---|---|---|---|---|---|---|---|",
+        "| patch | opt-out env var | upstream target(s) | applied on import of | our fork | why | how | "
+        "upstream PR | delete when |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in PATCHES:
         targets = "<br>".join(f"`{t}`" for t in p.targets)
+        modules = "<br>".join(f"`{m}`" for m in p.modules) or "(register time)"
         rows.append("| " + " | ".join([
-            f"`{p.name}`", f"`{p.env_var}`", targets, f"`{p.fork}`",
+            f"`{p.name}`", f"`{p.env_var}`", targets, modules, f"`{p.fork}`",
             _cell(p.why), _cell(p.how), _cell(p.upstream_pr), _cell(p.remove_when),
         ]) + " |")
     return "\n".join(rows)

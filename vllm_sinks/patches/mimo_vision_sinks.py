@@ -17,10 +17,11 @@ What the probe finds, by feature (read off the installed method, then exercised 
 
 from __future__ import annotations
 
+import builtins
 import importlib
+import importlib.util
 import inspect
 import sys
-import threading
 import types
 from typing import Any, Callable
 
@@ -38,9 +39,6 @@ EXPECTED_PARAMS = ("self", "q", "k", "v", "cu_seqlens", "max_seqlen")
 # Upstream's path, as the probe classified it.
 DROPS_SINKS = "drops-sinks"  # 0.27.x: flash attention, sinks never read
 VIA_PREFILL_OP = "via-prefill-op"  # 0.28+: sinks through the prefill op's key-0 mode
-
-_probe_lock = threading.Lock()
-
 
 class _ModelUnavailable(Exception):
     """vLLM's MiMo-V2-Omni module cannot be imported here, so vLLM cannot run the model either."""
@@ -87,11 +85,51 @@ class _RecordingOp:
         self.calls.append(bound)
 
 
+class _OpModuleView:
+    """The op module as the probe's copy of upstream's method sees it: the op is the recorder."""
+
+    def __init__(self, module: types.ModuleType, recorder: _RecordingOp):
+        self._module = module
+        self.context_attention_fwd = recorder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _with_recorder(method: Callable, op_module: types.ModuleType, recorder: _RecordingOp) -> Callable:
+    """A copy of ``method`` that reaches ``recorder`` wherever it looks up the op, changing nothing.
+
+    Upstream imports the op inside the method (``from <op module> import context_attention_fwd``):
+    the copy runs with its own builtins whose ``__import__`` hands back a view of the op module for
+    that import. A module-level binding of the name is covered by the copy's own globals (a shallow
+    copy of the module's). vLLM's modules and functions stay untouched: other threads, and the
+    prefill-op patch, see nothing of the probe.
+    """
+    real_import = builtins.__import__
+    view = _OpModuleView(op_module, recorder)
+
+    def probe_import(name, globals=None, locals=None, fromlist=(), level=0):
+        module = real_import(name, globals, locals, fromlist, level)
+        if fromlist and getattr(module, "__name__", None) == OP_MODULE:
+            return view
+        return module
+
+    own_builtins = dict(vars(builtins), __import__=probe_import)
+    own_globals = dict(method.__globals__, __builtins__=own_builtins)
+    if "context_attention_fwd" in own_globals:
+        own_globals["context_attention_fwd"] = recorder
+    copy = types.FunctionType(method.__code__, own_globals, method.__name__, method.__defaults__,
+                              method.__closure__)
+    copy.__kwdefaults__ = method.__kwdefaults__
+    return copy
+
+
 def _exercise_upstream(method: Callable) -> inspect.BoundArguments:
     """Run upstream's method on a fake rank-1 layer of a data-parallel ViT; return the op's arguments.
 
     The fake layer is what ``MiMoVisionAttention.__init__`` builds when ``is_vit_use_data_parallel()``:
     ``tp_size`` 1 (all heads here), ``tp_rank`` the global rank (1), the QKV projection unsharded.
+    Read-only: a copy of the method runs against a recorder (:func:`_with_recorder`).
     """
     import torch
 
@@ -113,15 +151,12 @@ def _exercise_upstream(method: Callable) -> inspect.BoundArguments:
     q = torch.zeros(3, heads, 4)
     cu_seqlens = torch.tensor([0, 3], dtype=torch.int32)
     recorder = _RecordingOp(signature)
-    with _probe_lock:
-        setattr(op_module, "context_attention_fwd", recorder)
-        try:
-            method(fake, q, q.clone(), q.clone(), cu_seqlens, torch.tensor(3))
-        except Exception as e:  # noqa: BLE001 - whatever upstream tripped on, it is not what we know
-            raise Drift(f"upstream {METHOD_NAME} failed on a fake data-parallel layer "
-                        f"({type(e).__name__}: {e})") from e
-        finally:
-            setattr(op_module, "context_attention_fwd", real_op)
+    try:
+        _with_recorder(method, op_module, recorder)(fake, q, q.clone(), q.clone(), cu_seqlens,
+                                                    torch.tensor(3))
+    except Exception as e:  # noqa: BLE001 - whatever upstream tripped on, it is not what we know
+        raise Drift(f"upstream {METHOD_NAME} failed on a fake data-parallel layer "
+                    f"({type(e).__name__}: {e})") from e
     if len(recorder.calls) != 1:
         raise Drift(f"upstream {METHOD_NAME} called {OP_MODULE}.context_attention_fwd "
                     f"{len(recorder.calls)} times (expected once)")
@@ -180,7 +215,10 @@ def apply(info: VllmInfo) -> str:
         raise RuntimeError(f"nothing to patch: {e}") from e
     path, _ = _classify(cls)
     if path == DROPS_SINKS:
-        fork._our_prefill_op()  # fail here, not at the first image, if our op cannot import
+        # Fail here, not at the first image, if our op cannot import; without importing it now
+        # (Triton and our kernels cost ~60 ms, 12 % of vLLM's own import of the MiMo module).
+        if importlib.util.find_spec("triton") is None:
+            raise RuntimeError("the vllm-sinks prefill op needs Triton, which is not installed here")
         resolve_op, where = None, "window attention through the vllm-sinks prefill op"
     else:
         importlib.import_module(OP_MODULE)

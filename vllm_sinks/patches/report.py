@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Status, apply_all, detect_vllm
+from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Status, apply_everything, detect_vllm
 
 
 def format_report() -> str:
@@ -10,8 +10,9 @@ def format_report() -> str:
     from vllm_sinks.patches import PATCHES
 
     info = detect_vllm()
-    # Applying in this short-lived process is the honest probe: drift shows up in apply() too.
-    results = apply_all(info)
+    # Unlike vLLM's processes (where each patch waits for vLLM to import its modules), the report
+    # imports every target module and applies here: the full picture; drift shows up in apply() too.
+    results = apply_everything(info)
     lines = [
         f"vllm-sinks   {__version__}",
         f"vLLM         {info.describe()}   (supported {SUPPORTED_MIN} … {SUPPORTED_MAX}"
@@ -26,4 +27,7 @@ def format_report() -> str:
     for patch, result in zip(PATCHES, results):
         lines.append(f"{patch.name:<{width}}  {result.status.value:<{status_width}}  {patch.env_var:<{env_width}}"
                      f"  {result.detail}")
+        if patch.modules:
+            lines.append(f"{'':<{width}}  {'':<{status_width}}  {'':<{env_width}}"
+                         f"  target modules: {', '.join(patch.modules)}")
     return "\n".join(lines)
