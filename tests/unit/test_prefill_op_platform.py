@@ -94,3 +94,23 @@ def test_a_platform_without_is_cuda_is_drift(fake_vllm):
     sys.modules["vllm.platforms"].current_platform = object()
     with pytest.raises(Drift, match="has no is_cuda"):
         prefill_op.probe(INFO)
+
+
+@pytest.mark.parametrize("kind,handed_back", [(PlatformEnum.CUDA, True), (PlatformEnum.CPU, False)])
+def test_faster_calls_go_back_to_upstream_on_cuda_only(fake_vllm, kind, handed_back, monkeypatch):
+    """With our real op installed, the front door gets upstream's op for the full-attention calls
+    upstream measured faster at, on CUDA; forced elsewhere, ours keeps every call."""
+    from vllm_sinks.v1.attention.ops import triton_prefill_attention as front_door
+
+    op_module = fake_vllm(kind)
+    monkeypatch.setattr(prefill_op, "_ours", lambda: (front_door.context_attention_fwd, ""))
+    monkeypatch.setenv(PATCH.env_var, "on")
+    monkeypatch.setattr(front_door, "_UPSTREAM", [])
+    try:
+        assert PATCH.run(INFO).status is Status.APPLIED
+        assert op_module.context_attention_fwd is front_door.context_attention_fwd
+        assert front_door._UPSTREAM == ([upstream_op] if handed_back else [])
+    finally:
+        op_module.context_attention_fwd = upstream_op
+        for mark in ("__vllm_sinks_original__", "__vllm_sinks_patch__"):  # install()'s marks
+            front_door.context_attention_fwd.__dict__.pop(mark, None)

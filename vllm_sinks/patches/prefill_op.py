@@ -101,6 +101,17 @@ def _not_cuda() -> str | None:
             f"{ENV_VAR}=on forces it")
 
 
+def _hand_back_faster_calls(ours, upstream) -> None:
+    """Give our front door upstream's op for the calls that run faster there (``UPSTREAM_FASTER``:
+    full attention at the head dims where upstream measured faster), so the patch never makes a
+    call it takes slower. Only on CUDA, where that was measured (forced elsewhere, ours takes every
+    call), and only where ``ours`` is our front door (tests stand in other functions)."""
+    from vllm_sinks.v1.attention.ops import triton_prefill_attention
+
+    if ours is triton_prefill_attention.context_attention_fwd and _not_cuda() is None:
+        triton_prefill_attention.use_upstream_op(upstream)
+
+
 def probe(info: VllmInfo) -> Probe:
     _, upstream = _upstream_op()
     params = _upstream_params(upstream)
@@ -124,6 +135,7 @@ def apply(info: VllmInfo) -> str:
     if ours is None:
         raise Drift(f"our op does not import ({why_not})")
     install.install(module, FUNCTION, ours, PATCH_NAME)
+    _hand_back_faster_calls(ours, upstream)
     done = "our op bound in triton_prefill_attention"
     backend = importhook.loaded(BACKEND_MODULE)
     if backend is None:  # not imported (or importing now): its import of the name will bind ours

@@ -58,16 +58,19 @@ calls with it go straight to the chosen launch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 from vllm_sinks.v1.attention.ops.prefill_attention_portable import PortableLaunch
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     Problem,
     call_key,
     host_length_bound,
+    on_nvidia_gpu,
     validate,
 )
+
+if TYPE_CHECKING:
+    from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 
 # ---- upstream's op, where it is the faster one ----------------------------------------------------
 
@@ -150,7 +153,15 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
     args = (q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
             sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     p = validate(*args)
-    return Plan(WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks),
+    walk = None
+    if on_nvidia_gpu(p.device):
+        # Imported at the first call on an NVIDIA GPU, not with this module: Gluon and the kernel's
+        # definitions are ~80 % of the op's import (benchmarks/plugin_load.py), and no other
+        # platform can run them.
+        from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
+
+        walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
+    return Plan(walk,
                 UpstreamLaunch.plan(p, args),
                 PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks))
 
