@@ -130,6 +130,40 @@ PATCHES: tuple[Patch, ...] = (
         hooks="vllm_sinks.patches.transformers_sinks",
     ),
     Patch(
+        name="transformers-kv-heads",
+        targets=(
+            "vllm.model_executor.models.transformers.base.Base.recursive_replace",
+            "vllm.model_executor.models.transformers.base.Base.create_attention_instances (0.27-0.29) / "
+            "._create_attention_instances (0.30+)",
+        ),
+        fork="vllm_sinks/model_executor/models/transformers/base.py",
+        upstream_pr=(
+            "None found. vLLM's native MiMo-V2-Flash (`mimo_v2_flash.py`) has per-layer KV heads; the "
+            "Transformers backend's per-layer `model_arch_config[i]` (0.29+) does not describe them."
+        ),
+        why=(
+            "The backend builds every layer's `Attention` with the model-wide KV head count. "
+            "MiMo-V2-Flash's sliding layers have twice the KV heads of its full layers, so they were "
+            "built with half: mean |Δ prompt logprob| 0.82 vs HF on every version, sinks or not. At "
+            "TP > 1 a layer with fewer KV heads than ranks (MiMo's full layers: 1) is also split "
+            "column-wise by the model's TP plan, one head across two ranks, and the run fails."
+        ),
+        how=(
+            "Before upstream's `recursive_replace`, reads each HF attention module's KV heads from its "
+            "pristine `k_proj`/`v_proj` widths and `head_dim`; the attention-building method runs with "
+            "`Attention` bound to a stand-in that passes that layer's heads per rank (a TP share, or 1 "
+            "where heads are replicated). Where TP exceeds a layer's KV heads and the plan made "
+            "`k_proj`/`v_proj` column-parallel, they become replicated linears that load only this "
+            "rank's head (`rank * heads // tp`, vLLM's convention). Probe: the method still calls "
+            "`get_num_kv_heads` and builds `Attention` by that name; stands down otherwise."
+        ),
+        remove_when=(
+            "Upstream sizes KV heads per layer from the module (or the model's arch config learns "
+            "MiMo's per-layer heads) and replicates KV heads TP cannot split."
+        ),
+        hooks="vllm_sinks.patches.transformers_kv_heads",
+    ),
+    Patch(
         name="mimo-vision-sinks",
         targets=("vllm.model_executor.models.mimo_v2_omni.MiMoVisionAttention._forward_window_attn",),
         fork="vllm_sinks/model_executor/models/mimo_v2_omni.py",

@@ -30,3 +30,10 @@ def original(obj: Any) -> Any:
 def patched_by(obj: Any) -> str | None:
     """Name of the vllm-sinks patch that installed ``obj``, or None."""
     return getattr(obj, _PATCH, None)
+
+
+def upstream(obj: Any) -> Any:
+    """The upstream object under every vllm-sinks layer (two patches may wrap the same method)."""
+    while hasattr(obj, _ORIGINAL):
+        obj = getattr(obj, _ORIGINAL)
+    return obj

@@ -43,7 +43,7 @@ def _modules():
         fuser = importlib.import_module(FUSER)
     except ImportError as e:
         raise Drift(f"{FX_UTILS} imports but {FUSER} does not: {e}") from e
-    if install.original(getattr(fuser, "trace", None)) is not install.original(trace):
+    if install.upstream(getattr(fuser, "trace", None)) is not install.upstream(trace):
         raise Drift(f"{FUSER} no longer calls {FX_UTILS}.trace by the name `trace`")
     return fx_utils, fuser
 
