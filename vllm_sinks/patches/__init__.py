@@ -164,6 +164,30 @@ PATCHES: tuple[Patch, ...] = (
         hooks="vllm_sinks.patches.transformers_kv_heads",
     ),
     Patch(
+        name="logits-scaling",
+        targets=("vllm.model_executor.models.transformers.causal.CausalMixin.__init__",),
+        fork="vllm_sinks/model_executor/models/transformers/causal.py",
+        upstream_pr=(
+            "vllm-project/vllm#52158 (the `logits_scaling` fix for the Transformers backend; its merge "
+            "and first release: unverified — absent from 0.27.1, 0.29.0 and 0.32.0, read in their "
+            "causal.py)."
+        ),
+        why=(
+            "Granite-family configs carry `logits_scaling`, which HF's causal LMs divide the logits by "
+            "after `lm_head`. The backend runs the HF base model with its own `lm_head` and a "
+            "`LogitsProcessor` scaled by `logit_scale` only, so every logit is `logits_scaling` times "
+            "too large: granite-swash-2b is 6.89 from HF with its sinks fixed, 0.0165 with this."
+        ),
+        how=(
+            "Wraps `CausalMixin.__init__`: after upstream's, `1 / logits_scaling` is folded into the "
+            "`LogitsProcessor`'s `scale` (applied before any soft cap; HF's Granite has none). "
+            "Probe: upstream's `__init__` builds a `LogitsProcessor` and never names `logits_scaling`; "
+            "stands down where it does."
+        ),
+        remove_when="Upstream's CausalMixin applies `logits_scaling` (the probe then stands down).",
+        hooks="vllm_sinks.patches.logits_scaling",
+    ),
+    Patch(
         name="mimo-vision-sinks",
         targets=("vllm.model_executor.models.mimo_v2_omni.MiMoVisionAttention._forward_window_attn",),
         fork="vllm_sinks/model_executor/models/mimo_v2_omni.py",
