@@ -21,7 +21,9 @@ by the plan and were right either way.
 
 :func:`trace` traces with upstream's function; where that stops short of the output and the class's
 ``forward`` is a wrapper (``__wrapped__``, as ``functools.wraps`` leaves it), it traces again with the
-class's innermost function bound as ``forward`` for the duration of the call. The fusers already
+class's innermost function bound as ``forward`` for the duration of the call, and returns whichever
+graph got further (upstream's fusers match on partial graphs too, e.g. HY V4's, which stops at
+data-dependent code past its projections). The fusers already
 rewrite that innermost function (``recover_forward`` unwraps it), so what they fuse is the code they
 analysed.
 
@@ -76,4 +78,10 @@ def trace(module: nn.Module) -> fx.Graph | None:
         return graph
     with unwrapped_forward(cls):
         retry = upstream(module)
-    return retry if complete(retry) else graph
+    # Upstream's fusers work on partial graphs too (a trace may stop at data-dependent code); the
+    # retry got past the wrapper, so whatever it reached is at least what the first one did.
+    return retry if _size(retry) > _size(graph) else graph
+
+
+def _size(graph: fx.Graph | None) -> int:
+    return -1 if graph is None else len(graph.nodes)
