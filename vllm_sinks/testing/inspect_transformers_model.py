@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import sys
+from typing import Callable
 
 from vllm_sinks.testing.vllm_worker import serve_jobs
 
@@ -155,37 +156,78 @@ def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM c
 
 
 def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, python: str = sys.executable,
-                   timeout: float = 900) -> tuple[list[dict], str]:
+                   timeout: float = 900, on_result: Callable[[int, dict], None] | None = None
+                   ) -> tuple[list[dict], str]:
     """Run ``jobs`` in one subprocess of this module; return (results, captured log).
 
     A job the subprocess never finished (crash, timeout) gets ``{"error": ...}`` with the log's tail.
+    ``on_result(index, result)`` is called as each job finishes (the worker rewrites its results
+    file after every job), so a caller can report progress while later jobs still run.
     """
     import subprocess
     import tempfile
+    import time
+
+    def read(path: str) -> list[dict]:
+        try:
+            with open(path) as f:
+                return json.load(f)["results"]
+        except (OSError, ValueError, KeyError):
+            return []
+
+    reported = 0
+
+    def report(results: list[dict]) -> None:
+        nonlocal reported
+        for i in range(reported, len(results)):
+            if on_result is not None:
+                on_result(i, results[i])
+        reported = max(reported, len(results))
 
     with tempfile.TemporaryDirectory(prefix="vllm-sinks-inspect-") as tmp:
         jobs_path, out_path = os.path.join(tmp, "jobs.json"), os.path.join(tmp, "out.json")
+        log_path = os.path.join(tmp, "log.txt")
         with open(jobs_path, "w") as f:
             json.dump({"jobs": jobs}, f)
         run_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {}),
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        try:
-            proc = subprocess.run([python, "-m", "vllm_sinks.testing.inspect_transformers_model", jobs_path,
-                                   out_path], env=run_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout)
-            log, why = proc.stdout, f"exited with code {proc.returncode}"
-        except subprocess.TimeoutExpired as e:
-            log = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            why = f"timed out after {timeout:.0f} s"
-        try:
-            with open(out_path) as f:
-                results = json.load(f)["results"]
-        except (OSError, ValueError, KeyError):
-            results = []
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen([python, "-m", "vllm_sinks.testing.inspect_transformers_model", jobs_path,
+                                     out_path], env=run_env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(1.0)
+                report(read(out_path))
+            if proc.poll() is None:
+                _stop(proc)
+                why = f"timed out after {timeout:.0f} s"
+            else:
+                why = f"exited with code {proc.returncode}"
+        with open(log_path, errors="replace") as f:
+            log = f.read()
+        results = read(out_path)
     tail = "\n".join(log.rstrip().splitlines()[-30:])
     results += [{"error": f"inspection subprocess {why} before this job finished", "log_tail": tail}
                 for _ in range(len(jobs) - len(results))]
+    report(results)
     return results, log
+
+
+def _stop(proc) -> None:
+    """Stop the worker and everything it started (its own session: TP workers included)."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired; try harder
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:

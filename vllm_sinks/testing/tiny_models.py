@@ -70,6 +70,11 @@ GRANITE_MULTIPLIERS = dict(logits_scaling=2.0, embedding_multiplier=1.5, residua
 GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                     original_max_position_embeddings=4096, rope_theta=150000.0)
 
+#: HY V4's latent KV: vLLM's CPU MLA kernels take only DeepSeek's latent width, 512 + 64 = 576
+#: (`CPUMLABackend.get_supported_head_sizes`); smaller latents stop the run before the attention
+#: interface, so the sink guard could never be reached.
+HY_V4_KV_LORA_RANK, HY_V4_ROPE_DIM = 512, 64
+
 _SPECS: dict[str, FamilySpec] = {
     "gpt_oss": FamilySpec("GptOssConfig", "GptOssForCausalLM", dict(
         num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
@@ -104,8 +109,8 @@ _SPECS: dict[str, FamilySpec] = {
     "hy_v4": FamilySpec("HYV4Config", "HYV4ForCausalLM", dict(
         num_hidden_layers=3, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=24,
-        qk_rope_head_dim=8, v_head_dim=32, head_dim=32, index_topk=4, index_head_dim=16,
+        num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=HY_V4_KV_LORA_RANK, qk_nope_head_dim=32,
+        qk_rope_head_dim=HY_V4_ROPE_DIM, v_head_dim=32, head_dim=96, index_topk=4, index_head_dim=96,
         index_n_heads=2, hc_mult=2, max_position_embeddings=4096)),
     "openai_privacy_filter": FamilySpec("OpenAIPrivacyFilterConfig",
                                         "OpenAIPrivacyFilterForTokenClassification", dict(
