@@ -31,9 +31,12 @@ NOT_RUNNABLE = {
     "openai_privacy_filter": "token classification: the Transformers backend has no class for it",
 }
 #: Families whose sinks no vLLM attention path can apply: family -> the attention module the MLA
-#: sink guard must name. Where the backend has an MLA path (0.28+), the run must stop with that
-#: guard's message (ours, `mla_sinks_error`, or upstream's `check_sinks` on 0.30+); answering is a
-#: regression, and so is any other error there. Without an MLA path (0.27) an error is `n/a`.
+#: sink guard must name. Where our guard is reachable (0.28-0.29: the transformers-sinks patch
+#: refuses when it builds the MLA layer, before any forward) the run must stop with its message;
+#: any other error is a regression. Elsewhere the message of upstream's `check_sinks` (0.30+, in the
+#: interface) also counts, and an earlier error is `n/a (why)`: 0.27's backend has no MLA path, and on
+#: 0.30+ HF's HY V4 indexer needs the attention mask vLLM does not pass, before attention runs.
+#: Answering is a regression everywhere.
 GUARDED = {"hy_v4": "HYV4Attention"}
 #: Families the backend may not be able to build: `n/a (why)` when it cannot, judged when it runs.
 MAY_NOT_LOAD = {
@@ -63,12 +66,13 @@ def guard_refused(error: str, module_class: str) -> bool:
     return f"{module_class} applies" in error and "MLAAttention" in error and "sinks" in error
 
 
-def verdict(row: Row, *, bf16_sink_kernel: bool, guard: str | None = None, mla_path: bool = True,
+def verdict(row: Row, *, bf16_sink_kernel: bool, guard: str | None = None, guard_reachable: bool = True,
             may_not_load: str | None = None) -> str:
     """'ok' / 'FAIL: why' / 'n/a: why' for one row (pure: unit-tested without vLLM).
 
     ``guard``: the module class the MLA sink guard must name (a family no MLA backend can run with
-    its sinks); ``mla_path``: whether this backend has an MLA path at all; ``may_not_load``: why the
+    its sinks); ``guard_reachable``: whether nothing else can stop the run first here (our guard, at
+    construction); ``may_not_load``: why the
     backend may be unable to build the family (then an error is n/a, not a regression).
     """
     error = row.errors.get("on")
@@ -77,9 +81,9 @@ def verdict(row: Row, *, bf16_sink_kernel: bool, guard: str | None = None, mla_p
             return "FAIL: answered (no vLLM MLA backend applies sinks: it must refuse)"
         if guard_refused(error, guard):
             return f"ok: refused by the MLA sink guard ({guard})"
-        if mla_path:
+        if guard_reachable:
             return f"FAIL: stopped before the MLA sink guard: {error}"
-        return f"n/a: no MLA path in this backend; {error}"
+        return f"n/a: stops before attention runs here: {error}"
     if error is not None:
         return f"n/a: {may_not_load}: {error}" if may_not_load else f"FAIL: {error}"
     if row.sinks and row.sinks.split("/")[0] != row.sinks.split("/")[1]:
@@ -233,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in rows:
         if not row.verdict:
             row.verdict = verdict(row, bf16_sink_kernel=bf16_kernel, guard=GUARDED.get(row.family),
-                                  mla_path=era != "plain", may_not_load=MAY_NOT_LOAD.get(row.family))
+                                  guard_reachable=era == "mla", may_not_load=MAY_NOT_LOAD.get(row.family))
     mode = ("patch forced on (upstream has its own fix; plugin default stands down)"
             if era == "upstream-fix" else "patch applied by default")
     print(f"\nvllm-sinks verify: {differential.environment_line()}; TP={args.tp}; {mode}; HF eager fp32 reference; "

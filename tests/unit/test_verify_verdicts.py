@@ -52,8 +52,8 @@ def test_any_other_error_is_a_failure_where_the_guard_applies():
     early = Row("hy_v4", "float32", errors={"on": "ValueError: No common block size for 16."})
     assert verdict(early, bf16_sink_kernel=True, guard="HYV4Attention").startswith(
         "FAIL: stopped before the MLA sink guard: ValueError: No common block size")
-    assert verdict(early, bf16_sink_kernel=True, guard="HYV4Attention", mla_path=False).startswith(
-        "n/a: no MLA path in this backend")
+    assert verdict(early, bf16_sink_kernel=True, guard="HYV4Attention", guard_reachable=False).startswith(
+        "n/a: stops before attention runs here")
 
 
 def test_a_family_the_backend_cannot_build_is_not_applicable_unless_it_runs():
