@@ -120,8 +120,9 @@ def test_mimo_v2_flash_kv_heads_are_read_per_layer():
     if not tiny_models.family_available("mimo_v2_flash"):
         pytest.skip("transformers has no MiMo-V2-Flash")
     cls = tiny_models.model_class("mimo_v2_flash")
+    config = cls.config_class.from_pretrained(tiny_models.tiny_model("mimo_v2_flash"))  # not on meta
     with torch.device("meta"):
-        model = cls(cls.config_class.from_pretrained(tiny_models.tiny_model("mimo_v2_flash")))
+        model = cls(config)
     geometry = ours_base.read_kv_geometry(model.model)
     assert {i: g.kv_heads for i, g in geometry.items()} == {0: 1, 1: 2}  # full, sliding (HF: x2)
     assert {g.v_head_dim for g in geometry.values()} == {32}

@@ -48,8 +48,9 @@ FP32_BOUND = 1e-3
 FP32_BF16_SINK_BOUND = 2e-3
 #: bf16: no worse than this times native vLLM's own delta on the same model (issue 4).
 NATIVE_RATIO = 1.2
-#: Without the patch the delta must be at least this, and this many times the patched one.
-UNPATCHED_FLOOR, UNPATCHED_RATIO = 0.05, 10.0
+#: Without the patch the delta must be at least this, and this many times the patched one. (MiMo-V2-
+#: Flash has a sink in one of its two layers: 0.036 without it, 6e-5 with it, on 0.29.)
+UNPATCHED_FLOOR, UNPATCHED_RATIO = 0.02, 10.0
 #: TP=2 against TP=1, mean |Δ logprob|: the same math with the reductions split over two ranks
 #: (measured <= 1e-6 on 0.32, where sinks stay fp32; the bf16 sink rounding is the same on both).
 TP_AGREEMENT = 2e-4
