@@ -17,13 +17,15 @@ The model is reached with ``LLM.apply_model`` (0.27-0.33), which runs in this pr
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
+import re
 import sys
 from typing import Callable
 
-from vllm_sinks.testing.vllm_worker import serve_jobs
+from vllm_sinks.testing.vllm_worker import JOB_BEGIN, JOB_END, serve_jobs
 
 
 def _layer_index(prefix: str) -> int | None:
@@ -94,6 +96,13 @@ def upcast_hf_rotary(model_dir: str):
     return lambda: setattr(modeling, "apply_rotary_pos_emb", original)  # undo, for the next job
 
 
+def _upcast_in_worker(model_dir: str, model) -> None:
+    """``upcast_hf_rotary`` inside a TP worker (run there through ``LLM.apply_model``). The modeling
+    module's function is looked up at call time, so patching after the model is built is enough;
+    the worker ends with the job, so nothing is undone."""
+    upcast_hf_rotary(model_dir)
+
+
 def run_job(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -143,6 +152,8 @@ def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM c
     llm = LLM(model=job["model"], tokenizer=job["model"], model_impl=job["impl"], dtype=job["dtype"],
               enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0, **tp_kwargs(tp))
     try:
+        if job.get("upcast_hf_rotary") and tp > 1:  # the workers are other processes: patch them too
+            llm.apply_model(functools.partial(_upcast_in_worker, job["model"]))
         inside = _merge_ranks(llm.apply_model(describe_attention))
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         [output] = llm.generate([{"prompt_token_ids": list(job["token_ids"])}], params, use_tqdm=False)
@@ -210,8 +221,28 @@ def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, pytho
     tail = "\n".join(log.rstrip().splitlines()[-30:])
     results += [{"error": f"inspection subprocess {why} before this job finished", "log_tail": tail}
                 for _ in range(len(jobs) - len(results))]
+    for i, result in enumerate(results):
+        if "error" in result and (cause := worker_error(log, i)) and cause not in result["error"]:
+            result["error"] = f"{result['error'].splitlines()[0]} [worker: {cause}]"
     report(results)
     return results, log
+
+
+_WORKER_ERROR = re.compile(r"^\(\w*Worker\w* pid=\d+\).*?\b([A-Za-z_][\w.]*(?:Error|Exception): .*)$")
+
+
+def worker_error(log: str, index: int) -> str | None:
+    """The first exception a TP worker process logged during job ``index`` (its traceback goes to the
+    shared log; the front end only sees "WorkerProc initialization failed")."""
+    begin, end = f"{JOB_BEGIN} {index} ", f"{JOB_END} {index} "
+    start = log.find(begin)
+    section = log[start:] if start >= 0 else log
+    stop = section.find(end)
+    section = section if stop < 0 else section[:stop]
+    for line in section.splitlines():
+        if (m := _WORKER_ERROR.match(line)) is not None:
+            return m.group(1).strip()
+    return None
 
 
 def _stop(proc) -> None:
