@@ -38,6 +38,13 @@ NOT_RUNNABLE = {
 #: 0.30+ HF's HY V4 indexer needs the attention mask vLLM does not pass, before attention runs.
 #: Answering is a regression everywhere.
 GUARDED = {"hy_v4": "HYV4Attention"}
+#: Why the guard cannot be reached (where it cannot), per backend era.
+GUARD_UNREACHABLE = {
+    "plain": "this backend (0.27) has no MLA path, and HF's HY V4 indexer reads the attention mask "
+             "vLLM does not pass",
+    "upstream-fix": "HF's HY V4 indexer reads the attention mask vLLM does not pass, before attention "
+                    "(and upstream's check_sinks) runs",
+}
 #: Families the backend may not be able to build: `n/a (why)` when it cannot, judged when it runs.
 MAY_NOT_LOAD = {
     "deepseek_v4": "vLLM's own DeepseekV4Config shadows HF's and rejects its per-layer MLP types",
@@ -67,7 +74,7 @@ def guard_refused(error: str, module_class: str) -> bool:
 
 
 def verdict(row: Row, *, bf16_sink_kernel: bool, guard: str | None = None, guard_reachable: bool = True,
-            may_not_load: str | None = None) -> str:
+            may_not_load: str | None = None, unreachable_why: str = "stops before attention runs here") -> str:
     """'ok' / 'FAIL: why' / 'n/a: why' for one row (pure: unit-tested without vLLM).
 
     ``guard``: the module class the MLA sink guard must name (a family no MLA backend can run with
@@ -83,7 +90,7 @@ def verdict(row: Row, *, bf16_sink_kernel: bool, guard: str | None = None, guard
             return f"ok: refused by the MLA sink guard ({guard})"
         if guard_reachable:
             return f"FAIL: stopped before the MLA sink guard: {error}"
-        return f"n/a: stops before attention runs here: {error}"
+        return f"n/a: {unreachable_why}: {error}"
     if error is not None:
         return f"n/a: {may_not_load}: {error}" if may_not_load else f"FAIL: {error}"
     if row.sinks and row.sinks.split("/")[0] != row.sinks.split("/")[1]:
@@ -237,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in rows:
         if not row.verdict:
             row.verdict = verdict(row, bf16_sink_kernel=bf16_kernel, guard=GUARDED.get(row.family),
-                                  guard_reachable=era == "mla", may_not_load=MAY_NOT_LOAD.get(row.family))
+                                  guard_reachable=era == "mla",
+                                  unreachable_why=GUARD_UNREACHABLE.get(era, "stops before attention runs here"), may_not_load=MAY_NOT_LOAD.get(row.family))
     mode = ("patch forced on (upstream has its own fix; plugin default stands down)"
             if era == "upstream-fix" else "patch applied by default")
     print(f"\nvllm-sinks verify: {differential.environment_line()}; TP={args.tp}; {mode}; HF eager fp32 reference; "
