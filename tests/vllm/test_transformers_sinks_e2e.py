@@ -200,6 +200,21 @@ def test_logits_scaling_is_applied_and_fails_without_the_patch(runs):
     assert unscaled >= UNPATCHED_FLOOR, f"logits-scaling off: {unscaled:.3f} from HF"
 
 
+def test_mimo_v2_flash_layers_get_their_own_kv_heads(runs):
+    """HF's MiMo-V2-Flash doubles the KV heads of its sliding layers; the backend used the model-wide
+    count (0.82 from HF). At TP=2 the full layers' single KV head is replicated, not split."""
+    if "mimo_v2_flash" not in FAMILIES:
+        pytest.skip("transformers has no MiMo-V2-Flash")
+    config = tiny_models.model_class("mimo_v2_flash").config_class.from_pretrained(
+        runs.dirs[("mimo_v2_flash", "float32")])
+    expected = {i: config.num_key_value_heads * (2 if kind == "sliding_attention" else 1)
+                for i, kind in enumerate(config.layer_types)}
+    assert {layer["index"]: layer["num_kv_heads"] for layer in runs.result("mimo_v2_flash")["layers"]} == expected
+    per_rank = {layer["index"]: layer["num_kv_heads_per_rank"]
+                for layer in runs.result("mimo_v2_flash", run="tp")["layers"]}
+    assert per_rank == {i: max(1, heads // TP) for i, heads in expected.items()}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_without_the_patch_the_same_check_fails(runs, family):
     if runs.era == "upstream-fix":
