@@ -131,8 +131,9 @@ def tp_env(tp: int) -> dict[str, str]:
 
 
 def _merge_ranks(per_rank: list[dict]) -> dict:
-    """One description from every TP rank's: layers from rank 0, each rank's sink slice concatenated
-    in rank order (so ``sinks`` is the whole layer's, as in the checkpoint), heads summed."""
+    """One description from every TP rank's: layers from rank 0 (their head counts, per rank, also as
+    ``num_heads_per_rank`` / ``num_kv_heads_per_rank``), each rank's sink slice concatenated in rank
+    order (so ``sinks`` is the whole layer's, as in the checkpoint)."""
     first = per_rank[0]
     if len(per_rank) == 1:
         return first
