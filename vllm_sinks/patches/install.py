@@ -14,8 +14,11 @@ def install(owner: Any, attr: str, new: Any, patch: str) -> bool:
     Returns True if this call changed something. ``new`` must accept attributes (functions do).
     """
     current = getattr(owner, attr)
-    if getattr(current, _PATCH, None) == patch:
-        return False
+    layer = current
+    while layer is not None:  # already there, possibly under another patch's layer (stacked wrappers)
+        if getattr(layer, _PATCH, None) == patch:
+            return False
+        layer = getattr(layer, _ORIGINAL, None)
     setattr(new, _ORIGINAL, current)
     setattr(new, _PATCH, patch)
     setattr(owner, attr, new)
