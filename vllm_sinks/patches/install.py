@@ -14,8 +14,11 @@ def install(owner: Any, attr: str, new: Any, patch: str) -> bool:
     Returns True if this call changed something. ``new`` must accept attributes (functions do).
     """
     current = getattr(owner, attr)
-    if getattr(current, _PATCH, None) == patch:
-        return False
+    layer = current
+    while layer is not None:  # already there, possibly under another patch's layer (stacked wrappers)
+        if getattr(layer, _PATCH, None) == patch:
+            return False
+        layer = getattr(layer, _ORIGINAL, None)
     setattr(new, _ORIGINAL, current)
     setattr(new, _PATCH, patch)
     setattr(owner, attr, new)
@@ -30,3 +33,10 @@ def original(obj: Any) -> Any:
 def patched_by(obj: Any) -> str | None:
     """Name of the vllm-sinks patch that installed ``obj``, or None."""
     return getattr(obj, _PATCH, None)
+
+
+def upstream(obj: Any) -> Any:
+    """The upstream object under every vllm-sinks layer (two patches may wrap the same method)."""
+    while hasattr(obj, _ORIGINAL):
+        obj = getattr(obj, _ORIGINAL)
+    return obj

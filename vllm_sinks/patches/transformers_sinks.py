@@ -76,7 +76,7 @@ def _check_method(cls: type, name: str) -> Any:
     fn = cls.__dict__.get(name)
     if fn is None or not callable(fn):
         raise Drift(f"{cls.__name__}.{name} not found")
-    params = list(inspect.signature(install.original(fn)).parameters)
+    params = list(inspect.signature(install.upstream(fn)).parameters)
     if params != ["self"]:
         raise Drift(f"{cls.__name__}.{name}{tuple(params)}: expected (self)")
     return fn
@@ -108,7 +108,7 @@ def _era(info: VllmInfo) -> str:
     _check_method(base.Base, "recursive_replace")
     # We add sinks= by rebinding the `Attention` name upstream constructs through: read in
     # create_attention_instances itself (0.27) or in the _get_attn_cls it calls (0.28-0.29).
-    names = set(install.original(create).__code__.co_names)
+    names = set(install.upstream(create).__code__.co_names)
     chooser = base.Base.__dict__.get("_get_attn_cls")
     if chooser is not None and "_get_attn_cls" in names:
         names |= set(chooser.__code__.co_names)

