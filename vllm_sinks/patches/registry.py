@@ -177,6 +177,17 @@ class Patch:
                 f"{self.env_var}={os.environ[self.env_var]!r}: expected auto, on or off")
         return _MODE_WORDS[raw]
 
+    def mode_or_result(self) -> "Mode | Result":
+        """The env var's mode, or the final result where the env var alone decides (off, or a
+        value we do not know)."""
+        try:
+            mode = self.mode()
+        except ValueError as e:
+            return Result(self.name, Status.REFUSED, str(e))
+        if mode is Mode.OFF:
+            return Result(self.name, Status.DISABLED, f"{self.env_var}=off")
+        return mode
+
     def _hook(self, name: str) -> Callable:
         return getattr(importlib.import_module(self.hooks), name)
 
@@ -184,12 +195,9 @@ class Patch:
         """Decide and, where it applies, apply, now. Never raises for a vLLM-side problem.
 
         Imports what the probe needs (the registry calls it once a target module is there)."""
-        try:
-            mode = self.mode()
-        except ValueError as e:
-            return Result(self.name, Status.REFUSED, str(e))
-        if mode is Mode.OFF:
-            return Result(self.name, Status.DISABLED, f"{self.env_var}=off")
+        mode = self.mode_or_result()
+        if isinstance(mode, Result):
+            return mode
         try:
             probe = self._hook("probe")(info)
             if not probe.applies and mode is not Mode.ON:
@@ -349,12 +357,9 @@ def _on_import(state: _State, name: str, module: ModuleType) -> None:
 
 def _initial(patch: Patch, info: VllmInfo) -> Result | None:
     """The result decided at register time, or None where probe + apply must run now."""
-    try:
-        mode = patch.mode()
-    except ValueError as e:
-        return Result(patch.name, Status.REFUSED, str(e))
-    if mode is Mode.OFF:
-        return Result(patch.name, Status.DISABLED, f"{patch.env_var}=off")
+    decided = patch.mode_or_result()
+    if isinstance(decided, Result):
+        return decided
     if not patch.modules or any(importhook.loaded(m) is not None for m in patch.modules):
         return None
     return _armed_result(patch)
