@@ -14,11 +14,8 @@ def install(owner: Any, attr: str, new: Any, patch: str) -> bool:
     Returns True if this call changed something. ``new`` must accept attributes (functions do).
     """
     current = getattr(owner, attr)
-    layer = current
-    while layer is not None:  # already there, possibly under another patch's layer (stacked wrappers)
-        if getattr(layer, _PATCH, None) == patch:
-            return False
-        layer = getattr(layer, _ORIGINAL, None)
+    if patch in layers(current):  # already there, possibly under another patch's layer
+        return False
     setattr(new, _ORIGINAL, current)
     setattr(new, _PATCH, patch)
     setattr(owner, attr, new)
@@ -33,6 +30,16 @@ def original(obj: Any) -> Any:
 def patched_by(obj: Any) -> str | None:
     """Name of the vllm-sinks patch that installed ``obj``, or None."""
     return getattr(obj, _PATCH, None)
+
+
+def layers(obj: Any) -> list[str]:
+    """The vllm-sinks patches wrapped around ``obj``, outermost first (two patches may wrap the
+    same method)."""
+    found = []
+    while hasattr(obj, _ORIGINAL):
+        found.append(getattr(obj, _PATCH, None))
+        obj = getattr(obj, _ORIGINAL)
+    return found
 
 
 def upstream(obj: Any) -> Any:
