@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import types
 
-import pytest
 import torch
 
 from vllm_sinks.v1.attention.ops import kernel_launcher
