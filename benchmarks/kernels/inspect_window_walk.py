@@ -31,7 +31,19 @@ CASES = {"mimo": (16, 4, 4, 64, 64, False, SINKS_KEY0_BIAS),
          "gpt-oss": (8, 8, 8, 127, 0, True, SINKS_NULL_LOGIT)}
 
 
-def compile_walk(case: str):
+def load_variant(path: str):
+    """A scratch copy of gluon_window_attention.py, imported under its own name."""
+    import importlib.util
+
+    name = "walk_variant_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_walk(case: str, gw=gw):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     T, gp, qpk, wq, wk, causal, sink_mode = CASES[case]
@@ -51,8 +63,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", choices=sorted(CASES), default="mimo")
     ap.add_argument("--sass", help="also write the SASS here")
+    ap.add_argument("--module", help="compile this copy of gluon_window_attention.py instead")
     args = ap.parse_args(argv)
-    compiled = compile_walk(args.case)
+    compiled = compile_walk(args.case, load_variant(args.module) if args.module else gw)
     sass = _cuobjdump(compiled, "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

@@ -74,7 +74,10 @@ def test_geometry_accepts_exactly_the_bands_whose_shortcuts_are_exact(T):
         fits = 3 <= nb <= gw.MAX_BAND_BLOCKS and _band_claims(T, wq, wk, causal, nb)
         assert (g is not None) == fits, (T, wq, wk, causal, g, nb)
         if g is not None:
-            assert g.nb == nb and g.ns == nb + 1 and g.tokens_per_tile == T
+            assert g.nb == nb and g.tokens_per_tile == T
+            # The ring holds the band and the blocks the next two tiles gain (prefetched two
+            # tiles ahead), in an even number of slots (the scores read slots in pairs).
+            assert g.ns >= nb + 2 and g.ns % 2 == 0 and g.ns <= nb + 3
 
 
 def test_geometry_of_the_shapes_that_matter():

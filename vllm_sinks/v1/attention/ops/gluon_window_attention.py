@@ -12,21 +12,28 @@ MiMo's 4 × 16384 tokens. Gluon hands the kernel its shared memory, async copies
 wgmma, so this one can:
 
 - **walk**: a program takes ``chunk`` consecutive tiles of one sequence and one head group and keeps
-  its band's keys and values resident in a shared-memory ring of ``NB + 1`` slots of 16 keys. A
-  tile loads only the block that entered its band, prefetched one tile ahead together with the
-  next tile's queries: no load latency on the critical path, and one CTA barrier per tile;
-- **take the exact softmax of the whole band** in registers, with no online rescaling: one wgmma
-  per ring slot for the scores, the elementwise max of the slots' scores and then one row
-  reduction, P · V and P · 1 (the row sums, on the tensor cores) per slot;
+  its band's keys and values resident in a shared-memory ring of 16-key slots (``NB + 2``, made
+  even). A tile loads only the block that entered its band, prefetched two tiles ahead together
+  with that tile's queries, and issued once the tile's wgmmas are done: no copy is in flight while
+  a wgmma reads the ring, so the only async-proxy fence is the one per tile after the copies land;
+- **take the exact softmax of the whole band** in registers, with no online rescaling: Q is held
+  in registers (the A operand: no re-read of Q from shared memory per key block); the scores are
+  one 32-key wgmma per pair of ring slots that starts at an even slot plus one 16-key wgmma for
+  the block left over; the elementwise max of the blocks' scores and then one row reduction;
+  P · V and P · 1 (the row sums, on the tensor cores) per slot pair;
+- **store a tile's output during the next tile's scores**: staged in the tile's query buffer at
+  its end, read back and stored after the next tile's barrier, while its wgmmas run;
 - **mask only where the window cuts**: ``walk_geometry`` proves from the window that every query of
   an interior tile sees all of the middle blocks, that the first block is cut only from below and
-  the last only from above (one compare per score there). Tiles at a sequence's edges (key 0 in
-  reach, or a band past the end) mask every slot and carry the key-0 bias.
+  the last only from above (one compare per score there; two for the block the slot pairs leave
+  over, which is the first or the last). Tiles at a sequence's edges (key 0 in reach, or a band
+  past the end) mask every block and carry the key-0 bias.
 
 Gluon's API moves between Triton releases. The kernel uses only what 3.6, 3.7 and 3.8 share, plus
-one alias (the CTA barrier: ``gl.thread_barrier`` in 3.6, ``gl.barrier`` from 3.7). Every ring view
-is one slot (``index``): 3.8 no longer lets a view reach past the slot it was indexed from, which
-the 3.6 kernel's multi-slot views did (kernel log, run 10).
+one alias (the CTA barrier: ``gl.thread_barrier`` in 3.6, ``gl.barrier`` from 3.7). A ring view is
+one slot (``index``) or one pair of slots from a reinterpretation of the whole ring as
+``[NS / 2, 32, 64]``: 3.8 no longer lets a view reach past what it was indexed from, which the 3.6
+kernel's multi-slot views did (kernel log, runs 10 and 11).
 
 Tile: 64 score rows = ``T`` tokens × ``GP`` query heads of one KV head (GP ≥ 4, so T ≤ 16 and a
 tile's band gains at most one block), head dim 64, fp16/bf16, output in the input dtype.
@@ -86,14 +93,15 @@ ENV_DISABLE = "VLLM_SINKS_WINDOW_WALK"  # "0" turns the kernel off (A/B timing, 
 class WalkGeometry:
     """Band of a tile in 16-key blocks. ``nb`` blocks starting at ``floor((t*T - wq) / 16)`` hold
     every key any query of tile ``t`` sees; on interior tiles every query sees every key of blocks
-    1 … nb-2 (so only the first and last blocks are masked). ``ns = nb + 1`` ring slots."""
+    1 … nb-2 (so only the first and last blocks are masked). ``ns`` ring slots: the band and the
+    blocks the next two tiles gain, rounded up to even (the scores take slots in pairs)."""
 
     tokens_per_tile: int
     nb: int
 
     @property
     def ns(self) -> int:
-        return self.nb + 1
+        return self.nb + 2 + self.nb % 2
 
 
 def walk_geometry(tokens_per_tile: int, window_q: int, window_k: int, is_causal: bool):
@@ -133,6 +141,17 @@ def walk_geometry(tokens_per_tile: int, window_q: int, window_k: int, is_causal:
 # ---- kernel --------------------------------------------------------------------------------------
 
 if gluon is not None:
+
+    @gluon.jit
+    def _issue_next(q_buf, ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt, stride_vt,
+                    q_off, k_off, v_off, row_tokens, key_rows, t, kb_lo, kb_hi, kb0, seq_len,
+                    T: gl.constexpr, NS: gl.constexpr):
+        """Prefetch tile ``t`` inside the walk: its queries and the one block its band gains, if
+        any (T <= 16: a band moves by at most one block per tile)."""
+        _issue_queries(q_buf, q_seq, stride_qt, q_off, row_tokens, t, seq_len, T)
+        if kb_lo < kb_hi:
+            _issue_block(ring_k, ring_v, k_seq, v_seq, stride_kt, stride_vt, k_off, v_off, key_rows,
+                         kb_lo, kb0, seq_len, NS)
 
     @gluon.jit
     def _band_start(t, T: gl.constexpr, window_q, band_offset):
@@ -200,20 +219,75 @@ if gluon is not None:
         return gl.where(visible, s, float("-inf"))
 
     @gluon.jit
-    def _band_scores(q_s, ring_k, b0, kb0, M: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr,
-                     s_layout: gl.constexpr):
-        """S = Q · Kᵀ of the tile's band as NB [M, 16] blocks, one wgmma per ring slot (issued
-        back to back, waited for once)."""
-        zeros = gl.zeros([M, BLOCK_KEYS_C], gl.float32, s_layout)
-        scores = ()
-        for j in gl.static_range(NB):
-            k = ring_k.index((b0 + j - kb0) % NS)
-            scores = scores + (warpgroup_mma(q_s, k.permute((1, 0)), zeros, use_acc=False,
-                                             is_async=True), )
-        return warpgroup_mma_wait(0, deps=scores)
+    def _slot(s0, j: gl.constexpr, NS: gl.constexpr):
+        """Ring slot of the band's block ``j`` when block 0 is in slot ``s0`` (< NS; j < NS)."""
+        s = s0 + j
+        return s - NS * (s >= NS).to(gl.int32)
 
     @gluon.jit
-    def _mask_band(scores, key_f, row_lo, row_hi, bias, edge, NB: gl.constexpr,
+    def _band_scores(q_s, ring_k, s0, M: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr,
+                     s_layout: gl.constexpr):
+        """Issue S = Q · Kᵀ of the tile's band (``_finish_scores`` waits for it)."""
+        zeros = gl.zeros([M, BLOCK_KEYS_C], gl.float32, s_layout)
+        q_r = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        if NB % 2 == 0:
+            scores = ()
+            for j in gl.static_range(NB):
+                k = ring_k.index(_slot(s0, j, NS))
+                scores = scores + (warpgroup_mma(q_r, k.permute((1, 0)), zeros, use_acc=False,
+                                                 is_async=True), )
+            return scores
+        # Odd NB: (NB - 1) / 2 pairs of slots that start at an even slot, each one 32-key view
+        # (NS is even), and the one block left over (_block_of). Half the wgmmas and
+        # descriptors of one wgmma per slot.
+        s2_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_KEYS_C, 16])
+        zeros2 = gl.zeros([M, 2 * BLOCK_KEYS_C], gl.float32, s2_layout)
+        pairs = ring_k._reinterpret(ring_k.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_k.shape[2]],
+                                    ring_k.type.layout)
+        odd = s0 % 2
+        raw = ()
+        for i in gl.static_range(NB // 2):
+            k2 = pairs.index(_slot(s0 + odd, 2 * i, NS) >> 1)
+            raw = raw + (warpgroup_mma(q_r, k2.permute((1, 0)), zeros2, use_acc=False,
+                                       is_async=True), )
+        k = ring_k.index(_slot(s0, _block_of(NB - 1, odd, NB), NS))
+        raw = raw + (warpgroup_mma(q_r, k.permute((1, 0)), zeros, use_acc=False, is_async=True), )
+        return raw
+
+    @gluon.jit
+    def _finish_scores(raw, NB: gl.constexpr, s_layout: gl.constexpr):
+        """Wait for ``_band_scores``' wgmmas; the scores as NB [M, 16] blocks."""
+        raw = warpgroup_mma_wait(0, deps=raw)
+        if NB % 2 == 0:
+            return raw
+        scores = ()
+        for i in gl.static_range(NB // 2):
+            lo, hi = _halves(raw[i], s_layout)
+            scores = scores + (lo, hi)
+        return scores + (raw[NB // 2], )
+
+    @gluon.jit
+    def _block_of(e: gl.constexpr, odd, NB: gl.constexpr):
+        """Band block held by score element ``e``. Even NB: block e. Odd NB (pairs): elements
+        0 … NB - 2 are the pairs' halves, from block ``odd`` on; element NB - 1 is the block left
+        over: the last one when the band starts at an even slot, the first when at an odd one."""
+        if NB % 2 == 0:
+            return e
+        if e == NB - 1:
+            return (1 - odd) * (NB - 1)
+        return e + odd
+
+    @gluon.jit
+    def _halves(s, s_layout: gl.constexpr):
+        """The two 16-key halves of a [M, 32] score block: a renaming of its registers."""
+        x = gl.permute(gl.reshape(s, [s.shape[0], 2, BLOCK_KEYS_C]), (0, 2, 1))
+        lo, hi = gl.split(x)
+        return (gl.convert_layout(lo, s_layout, assert_trivial=True),
+                gl.convert_layout(hi, s_layout, assert_trivial=True))
+
+    @gluon.jit
+    def _mask_band(scores, key_f, odd, row_lo, row_hi, bias, edge, NB: gl.constexpr,
                    KEY0_BIAS: gl.constexpr):
         """Visibility on the band's scores. Interior tiles (``edge`` false): walk_geometry proved
         the middle blocks fully visible, the first block cut only from below, the last only from
@@ -221,8 +295,27 @@ if gluon is not None:
         if edge:
             masked = ()
             for j in gl.static_range(NB):
-                masked = masked + (_mask_edge_block(scores[j], key_f + j * BLOCK_KEYS_C, row_lo,
-                                                    row_hi, bias, KEY0_BIAS), )
+                masked = masked + (_mask_edge_block(
+                    scores[j], key_f + _block_of(j, odd, NB) * BLOCK_KEYS_C, row_lo, row_hi, bias,
+                    KEY0_BIAS), )
+        elif NB % 2 == 1:
+            # Element 0 is block 0 (cut from below) or 1 (all visible), element NB - 2 block
+            # NB - 2 (all visible) or NB - 1 (cut from above): one compare each. The block left
+            # over is the first or the last: both bounds.
+            first = scores[0]
+            first_key = key_f + odd * BLOCK_KEYS_C
+            masked = (gl.where(_keys(first, first_key) >= _row(row_lo, first), first,
+                               float("-inf")), )
+            for j in gl.static_range(1, NB - 2):
+                masked = masked + (scores[j], )
+            end = scores[NB - 2]
+            end_key = key_f + (NB - 2 + odd) * BLOCK_KEYS_C
+            masked = masked + (gl.where(_keys(end, end_key) <= _row(row_hi, end), end,
+                                        float("-inf")), )
+            single = scores[NB - 1]
+            keys = _keys(single, key_f + _block_of(NB - 1, odd, NB) * BLOCK_KEYS_C)
+            visible = (keys >= _row(row_lo, single)) & (keys <= _row(row_hi, single))
+            masked = masked + (gl.where(visible, single, float("-inf")), )
         else:
             first = scores[0]
             masked = (gl.where(_keys(first, key_f) >= _row(row_lo, first), first, float("-inf")), )
@@ -245,7 +338,7 @@ if gluon is not None:
         return gl.maximum(m, m_floor)
 
     @gluon.jit
-    def _band_pv(scores, mc, qk_scale, ring_v, ones, b0, kb0, M: gl.constexpr, D: gl.constexpr,
+    def _band_pv(scores, mc, qk_scale, ring_v, ones, s0, M: gl.constexpr, D: gl.constexpr,
                  NB: gl.constexpr, NS: gl.constexpr, o_layout: gl.constexpr,
                  l_layout: gl.constexpr):
         """acc = P · V and l = P · 1 over the band, P = exp2(S * qk_scale - mc) per row, P in
@@ -256,24 +349,55 @@ if gluon is not None:
         pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
         acc = gl.zeros([M, D], gl.float32, o_layout)
         l_acc = gl.zeros([M, 8], gl.float32, l_layout)
-        for j in gl.static_range(NB):
-            s = scores[j]
+        ones1 = ones.slice(0, BLOCK_KEYS_C)
+        if NB % 2 == 0:
+            for j in gl.static_range(NB):
+                s = scores[j]
+                p = gl.exp2(s * qk_scale - _row(mc, s)).to(ring_v.dtype)
+                a = gl.convert_layout(p, p_layout)
+                acc = warpgroup_mma(a, ring_v.index(_slot(s0, j, NS)), acc, is_async=True)
+                l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout, assert_trivial=True), ones1,
+                                      l_acc, is_async=True)
+        else:
+            # The pairs' halves back together: one 32-key wgmma on a pair of value slots.
+            odd = s0 % 2
+            pairs = ring_v._reinterpret(ring_v.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_v.shape[2]],
+                                        ring_v.type.layout)
+            for i in gl.static_range(NB // 2):
+                lo = scores[2 * i]
+                hi = scores[2 * i + 1]
+                p_lo = gl.exp2(lo * qk_scale - _row(mc, lo)).to(ring_v.dtype)
+                p_hi = gl.exp2(hi * qk_scale - _row(mc, hi)).to(ring_v.dtype)
+                p2 = gl.reshape(gl.permute(gl.join(p_lo, p_hi), (0, 2, 1)), [M, 2 * BLOCK_KEYS_C])
+                a = gl.convert_layout(p2, p_layout)
+                acc = warpgroup_mma(a, pairs.index(_slot(s0 + odd, 2 * i, NS) >> 1), acc,
+                                    is_async=True)
+                l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout), ones, l_acc, is_async=True)
+            s = scores[NB - 1]
             p = gl.exp2(s * qk_scale - _row(mc, s)).to(ring_v.dtype)
             a = gl.convert_layout(p, p_layout)
-            acc = warpgroup_mma(a, ring_v.index((b0 + j - kb0) % NS), acc, is_async=True)
-            l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout, assert_trivial=True), ones, l_acc,
-                                  is_async=True)
+            acc = warpgroup_mma(a, ring_v.index(_slot(s0, _block_of(NB - 1, odd, NB), NS)), acc,
+                                is_async=True)
+            l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout, assert_trivial=True), ones1,
+                                  l_acc, is_async=True)
         return warpgroup_mma_wait(0, deps=(acc, l_acc))
 
     @gluon.jit
-    def _store_tile(acc, l, q_s, o_seq, o_off, io_cols, stride_ot, row_tokens, t, seq_len,
-                    T: gl.constexpr, io_layout: gl.constexpr):
-        """O = acc / l for the tile's valid rows, out through the tile's query buffer (its wgmmas
-        are done): each warp writes the rows its own wgmma read, then reads rows back for
-        16-byte stores."""
-        inv_l = gl.convert_layout(1.0 / l, gl.SliceLayout(1, acc.type.layout), assert_trivial=True)
+    def _stage_tile(acc, l, q_s):
+        """O = acc / l into the tile's query buffer (its queries are in registers), each warp the
+        rows its own wgmma computed. ``_store_staged`` reads them back for 16-byte stores in the
+        next tile, after its barrier and while its scores are computed."""
+        # l >= 1 on every row that is stored (the row max contributes exp2(0)): the approximate
+        # reciprocal (one MUFU.RCP, ~1 ulp) needs none of the full division's range fix-ups.
+        r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [l], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        inv_l = gl.convert_layout(r, gl.SliceLayout(1, acc.type.layout), assert_trivial=True)
         q_s.store((acc * gl.expand_dims(inv_l, 1)).to(q_s.dtype))
-        _cta_barrier()
+
+    @gluon.jit
+    def _store_staged(q_s, o_seq, o_off, io_cols, stride_ot, row_tokens, t, seq_len,
+                      T: gl.constexpr, io_layout: gl.constexpr):
+        """Tile ``t``'s output, staged in ``q_s`` (a CTA barrier since), to its rows of O."""
         out = q_s.load(io_layout)
         o_ptr = o_seq + (t * T).to(gl.int64) * stride_ot + (gl.expand_dims(o_off, 1) + io_cols)
         gl.store(o_ptr, out, mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
@@ -288,7 +412,7 @@ if gluon is not None:
             IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr):
         D: gl.constexpr = 64
         M: gl.constexpr = T * GP
-        NS: gl.constexpr = NB + 1  # ring slots: the band and the block the next tile gains
+        NS: gl.constexpr = NB + 2 + (NB % 2)  # WalkGeometry.ns
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 16, 16])
@@ -331,8 +455,9 @@ if gluon is not None:
         k_seq = K + seq_start64 * stride_kt + kv_head * stride_kh
         v_seq = V + seq_start64 * stride_vt + kv_head * stride_vh
 
-        # -- shared memory: two query buffers, the K and V rings, a block of ones (row sums)
-        q_ring = gl.allocate_shared_memory(dtype, [2, M, D], smem_layout)
+        # -- shared memory: three query buffers (also the output staging), the K and V rings, a
+        # block of ones (row sums)
+        q_ring = gl.allocate_shared_memory(dtype, [3, M, D], smem_layout)
         ring_k = gl.allocate_shared_memory(dtype, [NS, BLOCK_KEYS_C, D], smem_layout)
         ring_v = gl.allocate_shared_memory(dtype, [NS, BLOCK_KEYS_C, D], smem_layout)
         # Slots of blocks before the sequence's start or past its end are never loaded; they must
@@ -342,9 +467,9 @@ if gluon is not None:
             ring_k.index(s).store(zeros_block)
             ring_v.index(s).store(zeros_block)
         ones = gl.allocate_shared_memory(
-            dtype, [BLOCK_KEYS_C, 8],
+            dtype, [2 * BLOCK_KEYS_C, 8],
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
-        ones.store(gl.full([BLOCK_KEYS_C, 8], 1.0, dtype,
+        ones.store(gl.full([2 * BLOCK_KEYS_C, 8], 1.0, dtype,
                            gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32, 1],
                                             warps_per_cta=[4, 1], order=[1, 0])))
         fence_async_shared()
@@ -358,6 +483,13 @@ if gluon is not None:
             _issue_tile(q_ring.index(0), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
                         stride_vt, q_off, k_off, v_off, row_tokens, key_rows, t_begin, first_kb,
                         gl.minimum(kb0 + NB, nblocks), kb0, seq_len, T, NS)
+        async_copy.commit_group()
+        if t_begin + 1 < t_end:
+            _issue_next(q_ring.index(1), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
+                        stride_vt, q_off, k_off, v_off, row_tokens, key_rows, t_begin + 1,
+                        gl.maximum(kb0 + NB, first_kb),
+                        gl.minimum(_band_start(t_begin + 1, T, window_q, band_offset) + NB, nblocks),
+                        kb0, seq_len, T, NS)
         async_copy.commit_group()
 
         # -- per-row sink terms: the null logit's floor under the max, or key 0's bias
@@ -374,23 +506,23 @@ if gluon is not None:
 
         for t in range(t_begin, t_end):
             it = t - t_begin
-            # Tile t's queries and blocks were issued one tile ahead. One CTA barrier per tile:
-            # every warp's copies have landed, and every warp is done with tile t - 1, whose slot
-            # the prefetch below overwrites (each warp's wgmma reads all of a key block).
-            async_copy.wait_group(0)
+            # Tile t's queries and blocks were issued two tiles ahead (tile t + 1's may still be
+            # in flight). The fence makes the copies visible to the wgmmas (async proxy); the
+            # barrier, every warp's copies and tile t - 1's staged output to every warp.
+            async_copy.wait_group(1)
             fence_async_shared()
             _cta_barrier()
             b0 = _band_start(t, T, window_q, band_offset)
-            if t + 1 < t_end:
-                b_next = _band_start(t + 1, T, window_q, band_offset)
-                _issue_tile(q_ring.index((it + 1) % 2), ring_k, ring_v, q_seq, k_seq, v_seq,
-                            stride_qt, stride_kt, stride_vt, q_off, k_off, v_off, row_tokens,
-                            key_rows, t + 1, gl.maximum(b0 + NB, first_kb),
-                            gl.minimum(b_next + NB, nblocks), kb0, seq_len, T, NS)
-            async_copy.commit_group()
-
-            q_s = q_ring.index(it % 2)
-            scores = _band_scores(q_s, ring_k, b0, kb0, M, NB, NS, s_layout)
+            q_s = q_ring.index(it % 3)
+            s0 = (b0 - kb0) % NS
+            pending = _band_scores(q_s, ring_k, s0, M, NB, NS, s_layout)
+            # Tile t - 1's output, staged before the barrier above, goes out while tile t's
+            # scores are computed (the prefetch below refills its buffer: the compiler puts a
+            # barrier before it).
+            if t > t_begin:
+                _store_staged(q_ring.index((it + 2) % 3), o_seq, o_off, io_cols, stride_ot,
+                              row_tokens, t - 1, seq_len, T, io_layout)
+            scores = _finish_scores(pending, NB, s_layout)
             pos = t * T + rows // GP
             row_lo = gl.maximum(pos - window_q, 0)
             if IS_CAUSAL:
@@ -401,18 +533,31 @@ if gluon is not None:
                 row_hi = pos + window_k
             row_hi = gl.minimum(row_hi, seq_len - 1)
             edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
-            scores = _mask_band(scores, b0 * BLOCK_KEYS_C, row_lo, row_hi, sink_raw, edge, NB,
+            scores = _mask_band(scores, b0 * BLOCK_KEYS_C, s0 % 2, row_lo, row_hi, sink_raw, edge, NB,
                                 SINK_MODE == KEY0_BIAS_C)
             m = _band_max(scores, m_floor, NB, row_layout)
             mc = m * qk_scale
-            acc, l_acc = _band_pv(scores, mc, qk_scale, ring_v, ones, b0, kb0, M, D, NB, NS,
+            acc, l_acc = _band_pv(scores, mc, qk_scale, ring_v, ones, s0, M, D, NB, NS,
                                   o_layout, l_layout)
             # Every column of l_acc holds the row sum.
             l = gl.convert_layout(gl.max(l_acc, 1), row_layout, assert_trivial=True)
             if SINK_MODE == NULL_LOGIT_C:
                 l += gl.exp2(sink_raw * qk_scale - mc)
-            _store_tile(acc, l, q_s, o_seq, o_off, io_cols, stride_ot, row_tokens, t, seq_len, T,
-                        io_layout)
+            # Prefetch tile t + 2 now that this tile's wgmmas are done: no copy is in flight while
+            # they read the ring, so no proxy fence is needed before them.
+            if t + 2 < t_end:
+                b_next = _band_start(t + 1, T, window_q, band_offset)
+                b_after = _band_start(t + 2, T, window_q, band_offset)
+                _issue_next(q_ring.index((it + 2) % 3), ring_k, ring_v, q_seq, k_seq, v_seq,
+                            stride_qt, stride_kt, stride_vt, q_off, k_off, v_off, row_tokens,
+                            key_rows, t + 2, gl.maximum(b_next + NB, first_kb),
+                            gl.minimum(b_after + NB, nblocks), kb0, seq_len, T, NS)
+            async_copy.commit_group()
+            _stage_tile(acc, l, q_s)
+        _cta_barrier()
+        if t_end > t_begin:
+            _store_staged(q_ring.index((t_end - 1 - t_begin) % 3), o_seq, o_off, io_cols,
+                          stride_ot, row_tokens, t_end - 1, seq_len, T, io_layout)
         async_copy.wait_group(0)
 
 
@@ -445,8 +590,9 @@ def walk_unavailable(device: torch.device) -> str | None:
     return _UNAVAILABLE[index]
 
 
-# Programs resident per SM: ~57 KB of shared memory each, and registers capped at 168 so that
-# three programs' 12 warps fit the register file (ptxas: no spill at 168).
+# Programs resident per SM: up to 74 KB of shared memory each (NB = 9: 12 ring slots of K and V,
+# three query buffers), and registers capped at 168 so that three programs' 12 warps fit the
+# register file (ptxas: 164 at NB = 9, no spill).
 _PROGRAMS_PER_SM = 3
 _MAX_REGISTERS = 168
 _SM_COUNT: dict = {}
