@@ -10,9 +10,16 @@ work only queued (synchronised outside the timer). Rows:
 - call key: building the call signature (``prefill_attention_problem.call_key``);
 - op call: ``context_attention_fwd`` end to end (key, plan lookup, launch);
 - plan launch: the chosen kernel's launch object on this call's tensors (grid by bound, then
-  ``DirectLauncher``: alignment, hooks, stream, Triton's compiled launcher);
+  ``DirectLauncher``: alignment, hooks, stream, and the C launch called directly where the Triton
+  release allows it, else Triton's compiled launcher);
+- triton run: ``CompiledKernel.run(...)`` with the tensors (Triton's Python ``CudaLauncher.__call__``
+  and its C launch): what ``DirectLauncher`` called before session 11;
+- C launch: the C launch function alone with the direct path's arguments (pointers as ints): the
+  floor of the direct path (n/a where the release's launcher is not one ``kernel_launcher`` knows);
 - triton [grid]: the same kernel launched through ``kernel[grid](...)`` (Triton's own binding):
   what each launch would cost without the direct path.
+
+``host_cost_cpu.py`` times the Python layers above the C launch on a CPU (no GPU needed).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
+from vllm_sinks.v1.attention.ops import kernel_launcher  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # noqa: E402
@@ -67,11 +75,23 @@ def case(name, tokens, hq, hkv, bound, kwargs, calls):
     rows["plan launch"] = per_call_us(lambda: launch(q, k, v, o, starts, lens, sinks, hint), calls)
     tensors = (q, k, v, o, sinks if sinks is not None else q, starts, lens)
     if chosen.walk is not None:
-        grid, tail, _ = launch._by_bound[(hint, None)]
-        kernel, constexprs = gw._window_walk_kernel, launch.constexprs
+        grid, tail, signature = launch._by_bound[(hint, None)]
+        kernel, constexprs, launcher = gw._window_walk_kernel, launch.constexprs, gw._LAUNCHER
     else:
-        grid, constexprs, _ = launch._by_bound[hint]
-        kernel, tail = portable._prefill_attention_kernel, launch.scalars
+        grid, constexprs, signature = launch._by_bound[hint]
+        kernel, tail, launcher = portable._prefill_attention_kernel, launch.scalars, portable._LAUNCHER
+    compiled, constexpr_tail, c_launch, packed, head = launcher._compiled[signature][:5]
+    stream = torch.cuda.current_stream().cuda_stream
+    rows["triton run"] = per_call_us(
+        lambda: compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                             compiled.packed_metadata, None, None, None, *tensors, *tail,
+                             *constexpr_tail), calls)
+    rows["C launch"] = float("nan")
+    if c_launch is not None:
+        c_args = kernel_launcher.direct_arguments(
+            "packed" if packed else "flat", head, grid, stream,
+            (*(t.data_ptr() for t in tensors), *tail, *constexpr_tail))
+        rows["C launch"] = per_call_us(lambda: c_launch(*c_args), calls)
     rows["triton [grid]"] = per_call_us(
         lambda: kernel[grid](*tensors, *tail, **constexprs, **launch.options), calls)
     print(f"{name} ({chosen.kernel}): " + ", ".join(f"{k} {v:.1f} µs" for k, v in rows.items()))

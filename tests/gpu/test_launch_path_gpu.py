@@ -1,12 +1,14 @@
 """The op's launch path on the GPU: a call signature seen before skips Triton's argument binding
 (``kernel_launcher.DirectLauncher``). These check that such a call still runs on *its* tensors
-(fresh buffers, fresh data), under CUDA-graph capture, on both kernels, and that the plan picks
-the Hopper kernel only on an NVIDIA sm_90 GPU."""
+(fresh buffers, fresh data), under CUDA-graph capture, on both kernels, that the plan picks
+the Hopper kernel only on an NVIDIA sm_90 GPU, and that the direct C launch (Triton 3.6 – 3.8)
+writes bit for bit what Triton's own launch of the same compiled kernel writes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 pytestmark = pytest.mark.gpu
 
@@ -15,6 +17,8 @@ if not torch.cuda.is_available():
 
 from test_prefill_op_gpu import PATTERNS, _packed  # noqa: E402
 
+from vllm_sinks.v1.attention.ops import kernel_launcher  # noqa: E402
+from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
 from vllm_sinks.v1.attention.ops.gluon_window_attention import walk_unavailable  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
@@ -92,3 +96,95 @@ def test_upstream_takes_only_the_calls_the_rule_gives_it():
         assert len(calls) == 1
     finally:
         op.use_upstream_op(None)
+
+
+#: Releases whose launcher layout kernel_launcher knows: the direct C launch must be taken there.
+DIRECT_RELEASES = ("3.6", "3.7", "3.8")
+
+
+def _launch_parts(kernel: str, seed: int):
+    """(launch object, its DirectLauncher, the jitted kernel, grid, scalars, constexprs, signature,
+    tensors but o) for one MiMo-shaped call."""
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 32, 8, 64, torch.bfloat16, seed=seed)
+    chosen = op.plan(q, k, v, torch.empty_like(q), b_start, b_len, max(LENS),
+                     **dict(PATTERNS["mimo-window"], sinks=sinks, sinks_bias_key0=True))
+    hint = max(LENS)
+    if kernel == "walk":
+        if chosen.walk is None:
+            pytest.skip("the Hopper kernel does not run on this GPU / Triton")
+        from vllm_sinks.v1.attention.ops import gluon_window_attention as gw
+
+        launch = chosen.walk
+        launch(q, k, v, torch.empty_like(q), b_start, b_len, sinks, hint)  # compile, bind the bound
+        grid, tail, signature = launch._by_bound[(hint, None)]
+        return (launch, gw._LAUNCHER, gw._window_walk_kernel, grid, tail, launch.constexprs,
+                signature, (q, k, v, sinks, b_start, b_len), hint)
+    launch = chosen.portable
+    launch(q, k, v, torch.empty_like(q), b_start, b_len, sinks, hint)
+    grid, constexprs, signature = launch._by_bound[hint]
+    return (launch, portable._LAUNCHER, portable._prefill_attention_kernel, grid, launch.scalars,
+            constexprs, signature, (q, k, v, sinks, b_start, b_len), hint)
+
+
+@pytest.mark.parametrize("kernel", ["walk", "portable"])
+def test_direct_launch_writes_what_tritons_launch_writes(kernel):
+    """The direct C launch (and the compiled.run fallback) against ``kernel[grid](...)`` on the same
+    inputs: bit-identical outputs (both kernels are deterministic)."""
+    launch, launcher, jitted, grid, tail, constexprs, signature, inputs, hint = \
+        _launch_parts(kernel, seed=500)
+    q, k, v, sinks, b_start, b_len = inputs
+    entry = launcher._compiled[signature]
+    if triton.__version__[:3] in DIRECT_RELEASES:
+        assert entry[2] is not None, "the direct C launch is not taken on this Triton"
+
+    def ours():
+        o = torch.full_like(q, 7.0)
+        launch(q, k, v, o, b_start, b_len, sinks, hint)
+        return o
+
+    direct = [ours() for _ in range(2)]
+    launcher._compiled[signature] = entry[:2] + (None, ) + entry[3:]  # force compiled.run
+    try:
+        through_run = ours()
+    finally:
+        launcher._compiled[signature] = entry
+    o_triton = torch.full_like(q, 7.0)
+    jitted[grid](q, k, v, o_triton, sinks, b_start, b_len, *tail, **constexprs, **launch.options)
+    torch.cuda.synchronize()
+    assert not (o_triton == 7.0).all(dim=-1).any(), "Triton's own launch left rows unwritten"
+    for o in (*direct, through_run):
+        assert torch.equal(o, o_triton)
+
+
+def test_direct_launch_probe_accepts_the_real_launcher():
+    """``direct_launch`` on a real compiled kernel: the release's own CudaLauncher hands its C
+    launch what the direct path passes (else the fallback; an unknown release may take it)."""
+    _, launcher, _, grid, tail, _, signature, (q, k, v, sinks, b_start, b_len), _ = \
+        _launch_parts("portable", seed=501)
+    compiled, constexpr_tail = launcher._compiled[signature][:2]
+    ptrs = tuple(t.data_ptr() for t in (q, k, v, q, sinks, b_start, b_len))
+    stream = torch.cuda.current_stream().cuda_stream
+    direct = kernel_launcher.direct_launch(compiled, grid, stream, (*ptrs, *tail, *constexpr_tail))
+    if triton.__version__[:3] in DIRECT_RELEASES:
+        assert direct is not None and direct[0] is compiled.run.launch
+
+
+def test_launch_hook_sees_every_call_then_the_direct_path_resumes():
+    from triton import knobs
+
+    launch, launcher, _, _, _, _, _, (q, k, v, sinks, b_start, b_len), hint = \
+        _launch_parts("portable", seed=502)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(2):
+            launch(q, k, v, torch.empty_like(q), b_start, b_len, sinks, hint)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert len(seen) == 2
+    launch(q, k, v, torch.empty_like(q), b_start, b_len, sinks, hint)
+    assert len(seen) == 2

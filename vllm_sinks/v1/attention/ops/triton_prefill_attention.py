@@ -179,12 +179,12 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
 
     See the module docstring for the semantics. Raises ``ValueError`` on bad input.
     """
-    args = (q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
-            sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
-    key = call_key(*args)
+    key = call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
+                   sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     chosen = _PLANS.get(key) if key is not None else None
     if chosen is None:
-        chosen = plan(*args)
+        chosen = plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
+                      sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
         if key is not None:
             if len(_PLANS) >= _PLANS_MAX:
                 _PLANS.clear()

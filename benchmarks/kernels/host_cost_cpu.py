@@ -1,0 +1,137 @@
+"""The op's Python per call, for a call signature seen before, measured on the CPU (no GPU needed).
+
+    python3 benchmarks/kernels/host_cost_cpu.py [--calls 20000]
+
+The GPU machine's ``host_cost.py`` measures the whole call; this measures the Python layers above
+the C launcher anywhere, with CPU tensors, so a change to them can be timed without the device. The
+kernels' ``DirectLauncher``s get a stand-in kernel whose compiled launcher is an instance of the
+installed Triton's own ``CudaLauncher`` class (``vllm_sinks.testing.triton_launch_fakes``) with a
+C no-op (``"".format``) as its C ``launch``: the release's Python ``CudaLauncher.__call__`` runs as on
+the GPU, the C launch (argument parsing, ``cuLaunchKernelEx``) costs ~nothing. The Hopper kernel's
+launch is planned as on an sm_90 GPU (its platform gate is lifted for the run). Rows (median of 7
+× ``--calls`` calls, µs per call):
+
+- call key: ``call_key`` (the call signature);
+- op call: ``context_attention_fwd`` end to end (key, plan lookup, plan, launch object, launcher);
+- plan launch: the chosen launch object (``WalkLaunch`` / ``PortableLaunch``) on this call's tensors;
+- launcher: ``DirectLauncher`` alone (alignment, hooks, stream, the compiled launcher);
+- triton run: Triton's ``CudaLauncher.__call__`` alone (what the launcher called before session 11).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import statistics
+import sys
+import time
+import types
+
+os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors pass validation; the kernels never run here
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from vllm_sinks.testing import triton_launch_fakes as fakes  # noqa: E402
+from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
+from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
+from vllm_sinks.v1.attention.ops import prefill_attention_problem as problem  # noqa: E402
+from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
+
+C_NOOP = "".format  # a C function that takes any positional arguments and ignores them
+
+
+def per_call_us(fn, calls: int, reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def install_fake_kernels():
+    for launcher in (portable._LAUNCHER, gw._LAUNCHER):
+        if launcher is None:
+            continue
+        kernel = launcher.kernel
+        params = getattr(kernel, "params", None) or [  # the interpreter's wrapper has none
+            types.SimpleNamespace(name=n) for n in inspect.signature(kernel.fn).parameters]
+        launcher.kernel = fakes.FakeKernel(params, lambda: fakes.fake_runner(C_NOOP))
+        launcher._stream = (lambda device: 0, lambda: 0)  # torch's C functions on the GPU
+
+
+def case(name, tokens, hq, hkv, bound, kwargs, calls, walk: bool):
+    q = torch.randn(tokens, hq, 64).bfloat16()
+    k = torch.randn(tokens, hkv, 64).bfloat16()
+    v = torch.randn_like(k)
+    o = torch.empty_like(q)
+    starts = torch.zeros(1, dtype=torch.int32)
+    lens = torch.full((1,), tokens, dtype=torch.int32)
+    sinks = kwargs.get("sinks")
+    args = (q, k, v, o, starts, lens, bound, kwargs.get("is_causal", True), None,
+            kwargs.get("sliding_window_q"), kwargs.get("sliding_window_k"), sinks,
+            kwargs.get("sinks_bias_key0", False))
+    p = problem.validate(*args)
+    launch = portable.PortableLaunch.plan(p, q, k, v, o, starts, lens, sinks)
+    walk_launch = None
+    if walk:  # as on an sm_90 GPU
+        gw.walk_unavailable, gw._sm_count = (lambda device: None), (lambda device: 132)
+        walk_launch = gw.WalkLaunch.plan(p, q, k, v, o, starts, lens, sinks)
+        assert walk_launch is not None
+    chosen = op.Plan(walk_launch, None, launch)
+    op._PLANS[problem.call_key(*args)] = chosen
+    launch = walk_launch or launch
+    hint = problem.host_length_bound(bound)
+    rows = {"call key": per_call_us(lambda: problem.call_key(*args), calls),
+            "op call": per_call_us(lambda: op.context_attention_fwd(q, k, v, o, starts, lens, bound,
+                                                                    **kwargs), calls)}
+    rows["plan launch"] = per_call_us(lambda: launch(q, k, v, o, starts, lens, sinks, hint), calls)
+    tensors = (q, k, v, o, sinks if sinks is not None else q, starts, lens)
+    if walk:
+        grid, tail, signature = launch._by_bound[(hint, None)]
+        constexprs, launcher = launch.constexprs, gw._LAUNCHER
+    else:
+        grid, constexprs, signature = launch._by_bound[hint]
+        tail, launcher = launch.scalars, portable._LAUNCHER
+    rows["launcher"] = per_call_us(
+        lambda: launcher(signature, grid, tensors, tail, constexprs, launch.options), calls)
+    compiled = launcher.kernel.last
+    full = (*tensors, *tail, *launcher._compiled[signature][1])
+    rows["triton run"] = per_call_us(
+        lambda: compiled.run(grid[0], grid[1], grid[2], 0, compiled.function,
+                             compiled.packed_metadata, None, None, None, *full), calls)
+    print(f"{name} ({chosen.kernel}): " + ", ".join(f"{k} {v:.2f} µs" for k, v in rows.items()))
+    return chosen.kernel, rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=20000)
+    args = ap.parse_args(argv)
+    install_fake_kernels()
+    with fakes.fake_active_driver():
+        sinks = torch.randn(32) * 2
+        results = []
+        if gw._LAUNCHER is not None:
+            results.append(("MiMo 1×4096, CPU-tensor bound",) + case(
+                "mimo", 4096, 32, 8, torch.tensor(4096),
+                dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
+                     sinks_bias_key0=True), args.calls, walk=True))
+        results.append(("full attention 1×1024, int bound",) + case(
+            "full", 1024, 16, 16, 1024, dict(is_causal=False), args.calls, walk=False))
+    print(f"\nPython per call (C launch a no-op), CPU, torch {torch.__version__}, "
+          f"triton {triton.__version__} (median of 7 × {args.calls} calls)\n")
+    names = list(results[0][2])
+    print("| case | kernel | " + " | ".join(f"{n} µs" for n in names) + " |")
+    print("|---" * (2 + len(names)) + "|")
+    for label, kernel, rows in results:
+        print(f"| {label} | {kernel} | " + " | ".join(f"{rows[n]:.2f}" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
