@@ -76,5 +76,7 @@ python3 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}" --o
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out" 2>&1 | tee "$out/full.log" | grep -v -i warn | tail -n 14
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+python3 benchmarks/kernels/host_cost.py 2>&1 | tee "$out/host.log" | grep -v -i warn | tail -n 12
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "benchmark: $(( $(date +%s) - t0 )) s"
 exit $status

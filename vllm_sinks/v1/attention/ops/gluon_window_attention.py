@@ -144,14 +144,14 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_next(q_buf, ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt, stride_vt,
-                    q_off, k_off, v_off, row_tokens, key_rows, t, kb_lo, kb_hi, kb0, seq_len,
+                    q_off, k_off, v_off, row_tokens, key_rows, t, kb_lo, kb_hi, seq_len,
                     T: gl.constexpr, NS: gl.constexpr):
         """Prefetch tile ``t`` inside the walk: its queries and the one block its band gains, if
         any (T <= 16: a band moves by at most one block per tile)."""
         _issue_queries(q_buf, q_seq, stride_qt, q_off, row_tokens, t, seq_len, T)
         if kb_lo < kb_hi:
             _issue_block(ring_k, ring_v, k_seq, v_seq, stride_kt, stride_vt, k_off, v_off, key_rows,
-                         kb_lo, kb0, seq_len, NS)
+                         kb_lo, seq_len, NS)
 
     @gluon.jit
     def _band_start(t, T: gl.constexpr, window_q, band_offset):
@@ -161,15 +161,18 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_block(ring_k, ring_v, k_seq, v_seq, stride_kt, stride_vt, k_off, v_off, key_rows,
-                     kb, kb0, seq_len, NS: gl.constexpr):
-        """cp.async key block ``kb`` (keys 16 kb … 16 kb + 15) into its ring slot; keys past the
+                     kb, seq_len, NS: gl.constexpr):
+        """cp.async key block ``kb`` (keys 16 kb … 16 kb + 15, kb >= 0) into its ring slot,
+        ``kb % NS`` (a slot per block of the sequence, whichever program loads it, so that a
+        tile's slots, and with them its wgmmas, do not depend on how sequences are cut into
+        programs: the output is bit for bit the same however they are); keys past the
         sequence's end are zero-filled. ``k_seq``/``v_seq`` point at key 0 of the sequence and KV
         head; the per-thread offsets ``k_off``/``v_off`` are computed once per program."""
         mask = gl.expand_dims(kb * BLOCK_KEYS_C + key_rows < seq_len, 1)
         first = (kb * BLOCK_KEYS_C).to(gl.int64)
         col_layout: gl.constexpr = gl.SliceLayout(0, k_off.type.layout.parent)
         cols = gl.expand_dims(gl.arange(0, ring_k.shape[2], layout=col_layout), 0)
-        slot = (kb - kb0) % NS
+        slot = kb % NS
         async_copy.async_copy_global_to_shared(
             ring_k.index(slot), k_seq + first * stride_kt + (gl.expand_dims(k_off, 1) + cols), mask)
         async_copy.async_copy_global_to_shared(
@@ -187,13 +190,13 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_tile(q_buf, ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt, stride_vt,
-                    q_off, k_off, v_off, row_tokens, key_rows, t, kb_lo, kb_hi, kb0, seq_len,
+                    q_off, k_off, v_off, row_tokens, key_rows, t, kb_lo, kb_hi, seq_len,
                     T: gl.constexpr, NS: gl.constexpr):
         """Prefetch tile ``t``: its queries and the key blocks ``kb_lo … kb_hi - 1`` its band gains."""
         _issue_queries(q_buf, q_seq, stride_qt, q_off, row_tokens, t, seq_len, T)
         for kb in range(kb_lo, kb_hi):
             _issue_block(ring_k, ring_v, k_seq, v_seq, stride_kt, stride_vt, k_off, v_off, key_rows,
-                         kb, kb0, seq_len, NS)
+                         kb, seq_len, NS)
 
     @gluon.jit
     def _row(x, s):
@@ -476,20 +479,20 @@ if gluon is not None:
         _cta_barrier()
 
         # -- prefetch the first tile. Bands only move forward: after tile t's prefetch the ring
-        # holds blocks max(kb0, 0) … b0(t + 1) + NB - 1, block kb in slot (kb - kb0) % NS.
+        # holds blocks max(kb0, 0) … b0(t + 2) + NB - 1, block kb in slot kb % NS.
         kb0 = _band_start(t_begin, T, window_q, band_offset)
         first_kb = gl.maximum(kb0, 0)
         if t_begin < t_end:
             _issue_tile(q_ring.index(0), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
                         stride_vt, q_off, k_off, v_off, row_tokens, key_rows, t_begin, first_kb,
-                        gl.minimum(kb0 + NB, nblocks), kb0, seq_len, T, NS)
+                        gl.minimum(kb0 + NB, nblocks), seq_len, T, NS)
         async_copy.commit_group()
         if t_begin + 1 < t_end:
             _issue_next(q_ring.index(1), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
                         stride_vt, q_off, k_off, v_off, row_tokens, key_rows, t_begin + 1,
                         gl.maximum(kb0 + NB, first_kb),
                         gl.minimum(_band_start(t_begin + 1, T, window_q, band_offset) + NB, nblocks),
-                        kb0, seq_len, T, NS)
+                        seq_len, T, NS)
         async_copy.commit_group()
 
         # -- per-row sink terms: the null logit's floor under the max, or key 0's bias
@@ -514,7 +517,7 @@ if gluon is not None:
             _cta_barrier()
             b0 = _band_start(t, T, window_q, band_offset)
             q_s = q_ring.index(it % 3)
-            s0 = (b0 - kb0) % NS
+            s0 = (b0 + NS) % NS  # block b0's slot (b0 >= -NS: the window reaches < NB blocks back)
             pending = _band_scores(q_s, ring_k, s0, M, NB, NS, s_layout)
             # Tile t - 1's output, staged before the barrier above, goes out while tile t's
             # scores are computed (the prefetch below refills its buffer: the compiler puts a
@@ -551,7 +554,7 @@ if gluon is not None:
                 _issue_next(q_ring.index((it + 2) % 3), ring_k, ring_v, q_seq, k_seq, v_seq,
                             stride_qt, stride_kt, stride_vt, q_off, k_off, v_off, row_tokens,
                             key_rows, t + 2, gl.maximum(b_next + NB, first_kb),
-                            gl.minimum(b_after + NB, nblocks), kb0, seq_len, T, NS)
+                            gl.minimum(b_after + NB, nblocks), seq_len, T, NS)
             async_copy.commit_group()
             _stage_tile(acc, l, q_s)
         _cta_barrier()
