@@ -41,16 +41,20 @@ from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: 
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # noqa: E402
 
 
-def per_call_us(fn, calls: int, reps: int = 7) -> float:
+def per_call_us(fn, calls: int, reps: int = 7, sync=torch.cuda.synchronize) -> float:
+    """Median over ``reps`` of the CPU µs per call of ``calls`` calls; ``sync`` (the GPU work
+    queued, None on a CPU) runs outside the timer."""
     fn()
-    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
+    if sync is not None:
+        sync()
     return statistics.median(times)
 
 
@@ -98,6 +102,28 @@ def case(name, tokens, hq, hkv, bound, kwargs, calls):
     return chosen.kernel, rows
 
 
+def host_cases(sinks) -> list[tuple]:
+    """The calls both host-cost scripts time (this one and ``host_cost_cpu.py``): (label, name,
+    tokens, query heads, KV heads, max_input_len, op keyword arguments, runs the Hopper kernel)."""
+    return [
+        ("MiMo 1×4096, CPU-tensor bound", "mimo", 4096, 32, 8, torch.tensor(4096),
+         dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
+              sinks_bias_key0=True), True),
+        ("full attention 1×1024, int bound", "full", 1024, 16, 16, 1024, dict(is_causal=False),
+         False),
+    ]
+
+
+def print_table(title: str, results: list[tuple], digits: int) -> None:
+    """``results``: (label, kernel, {row name: µs}) per case, one markdown table."""
+    print(f"\n{title}\n")
+    names = list(results[0][2])
+    print("| case | kernel | " + " | ".join(f"{n} µs" for n in names) + " |")
+    print("|---" * (2 + len(names)) + "|")
+    for label, kernel, rows in results:
+        print(f"| {label} | {kernel} | " + " | ".join(f"{rows[n]:.{digits}f}" for n in names) + " |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
@@ -105,21 +131,9 @@ def main(argv=None):
     import triton
 
     sinks = torch.randn(32, device="cuda") * 2
-    results = [
-        ("MiMo 1×4096, CPU-tensor bound",) + case(
-            "mimo", 4096, 32, 8, torch.tensor(4096),
-            dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
-                 sinks_bias_key0=True), args.calls),
-        ("full attention 1×1024, int bound",) + case(
-            "full", 1024, 16, 16, 1024, dict(is_causal=False), args.calls),
-    ]
-    print(f"\nHost cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__} (median of 7 × {args.calls} calls)\n")
-    names = list(results[0][2])
-    print("| case | kernel | " + " | ".join(f"{n} µs" for n in names) + " |")
-    print("|---" * (2 + len(names)) + "|")
-    for label, kernel, rows in results:
-        print(f"| {label} | {kernel} | " + " | ".join(f"{rows[n]:.1f}" for n in names) + " |")
+    results = [(label,) + case(*spec, args.calls) for label, *spec, _ in host_cases(sinks)]
+    print_table(f"Host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 1)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import statistics
 import sys
-import time
 import types
 
 os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors pass validation; the kernels never run here
@@ -34,6 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.kernels import host_cost  # noqa: E402
+from benchmarks.kernels.host_cost import host_cases, print_table  # noqa: E402
 from vllm_sinks.testing import triton_launch_fakes as fakes  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
@@ -43,15 +43,8 @@ from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: 
 C_NOOP = "".format  # a C function that takes any positional arguments and ignores them
 
 
-def per_call_us(fn, calls: int, reps: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+def per_call_us(fn, calls: int) -> float:
+    return host_cost.per_call_us(fn, calls, sync=None)
 
 
 def install_fake_kernels():
@@ -115,22 +108,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     install_fake_kernels()
     with fakes.fake_active_driver():
-        sinks = torch.randn(32) * 2
-        results = []
-        if gw._LAUNCHER is not None:
-            results.append(("MiMo 1×4096, CPU-tensor bound",) + case(
-                "mimo", 4096, 32, 8, torch.tensor(4096),
-                dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
-                     sinks_bias_key0=True), args.calls, walk=True))
-        results.append(("full attention 1×1024, int bound",) + case(
-            "full", 1024, 16, 16, 1024, dict(is_causal=False), args.calls, walk=False))
-    print(f"\nPython per call (C launch a no-op), CPU, torch {torch.__version__}, "
-          f"triton {triton.__version__} (median of 7 × {args.calls} calls)\n")
-    names = list(results[0][2])
-    print("| case | kernel | " + " | ".join(f"{n} µs" for n in names) + " |")
-    print("|---" * (2 + len(names)) + "|")
-    for label, kernel, rows in results:
-        print(f"| {label} | {kernel} | " + " | ".join(f"{rows[n]:.2f}" for n in names) + " |")
+        results = [(label,) + case(*spec, args.calls, walk=walk)
+                   for label, *spec, walk in host_cases(torch.randn(32) * 2)
+                   if gw._LAUNCHER is not None or not walk]  # no Gluon here: the portable row
+    print_table(f"Python per call (C launch a no-op), CPU, torch {torch.__version__}, "
+                f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 2)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from benchmarks.kernels.compare_op_variants import load_module as load_variant  # noqa: E402
 from benchmarks.kernels.inspect_prefill_sass import _INSTR, _cuobjdump, resources, signature  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import SINKS_KEY0_BIAS, SINKS_NULL_LOGIT  # noqa: E402
@@ -29,18 +30,6 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import SINKS_KEY0_BIA
 # (T, GP, queries per KV head, window q, window k, causal, sink mode)
 CASES = {"mimo": (16, 4, 4, 64, 64, False, SINKS_KEY0_BIAS),
          "gpt-oss": (8, 8, 8, 127, 0, True, SINKS_NULL_LOGIT)}
-
-
-def load_variant(path: str):
-    """A scratch copy of gluon_window_attention.py, imported under its own name."""
-    import importlib.util
-
-    name = "walk_variant_" + os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def compile_walk(case: str, gw=gw):
