@@ -12,10 +12,11 @@ MiMo's 4 × 16384 tokens. Gluon hands the kernel its shared memory, async copies
 wgmma, so this one can:
 
 - **walk**: a program takes ``chunk`` consecutive tiles of one sequence and one head group and keeps
-  its band's keys and values resident in a shared-memory ring of 16-key slots (``NB + 2``, made
-  even). A tile loads only the block that entered its band, prefetched two tiles ahead together
-  with that tile's queries, and issued once the tile's wgmmas are done: no copy is in flight while
-  a wgmma reads the ring, so the only async-proxy fence is the one per tile after the copies land;
+  its band's keys and values resident in a shared-memory ring of ``NB + 3`` 16-key slots (the band
+  is an odd number NB of blocks). A tile loads only the block that entered its band, prefetched
+  two tiles ahead together with that tile's queries, and issued once the tile's wgmmas are done:
+  no copy is in flight while a wgmma reads the ring, so the only async-proxy fence is the one per
+  tile after the copies land;
 - **take the exact softmax of the whole band** in registers, with no online rescaling: Q is held
   in registers (the A operand: no re-read of Q from shared memory per key block); the scores are
   one 32-key wgmma per pair of ring slots that starts at an even slot plus one 16-key wgmma for
@@ -93,21 +94,23 @@ ENV_DISABLE = "VLLM_SINKS_WINDOW_WALK"  # "0" turns the kernel off (A/B timing, 
 class WalkGeometry:
     """Band of a tile in 16-key blocks. ``nb`` blocks starting at ``floor((t*T - wq) / 16)`` hold
     every key any query of tile ``t`` sees; on interior tiles every query sees every key of blocks
-    1 … nb-2 (so only the first and last blocks are masked). ``ns`` ring slots: the band and the
-    blocks the next two tiles gain, rounded up to even (the scores take slots in pairs)."""
+    1 … nb-2 (so only the first and last blocks are masked); ``nb`` is odd. ``ns`` ring slots: the
+    band and the blocks the next two tiles gain, plus one to make it even (the scores read slots in
+    pairs that start at an even slot)."""
 
     tokens_per_tile: int
     nb: int
 
     @property
     def ns(self) -> int:
-        return self.nb + 2 + self.nb % 2
+        return self.nb + 3
 
 
 def walk_geometry(tokens_per_tile: int, window_q: int, window_k: int, is_causal: bool):
     """The band layout for tiles of ``tokens_per_tile`` tokens, or None when the walk does not fit
     (a side of the band unbounded, more than one block gained per tile, a middle block some query
-    does not fully see, or more than MAX_BAND_BLOCKS blocks)."""
+    does not fully see, more than MAX_BAND_BLOCKS blocks, or an even number of blocks: MiMo's and
+    GPT-OSS's bands are 9)."""
     T = tokens_per_tile
     if window_q <= 0 or T > BLOCK_KEYS or BLOCK_KEYS % T:
         return None
@@ -124,7 +127,9 @@ def walk_geometry(tokens_per_tile: int, window_q: int, window_k: int, is_causal:
         b0 = (start - window_q) // BLOCK_KEYS  # floors (the kernel offsets first: it truncates)
         last_key = start + T - 1 + reach_k
         nb = max(nb, last_key // BLOCK_KEYS - b0 + 1)
-    if nb < 3 or nb > MAX_BAND_BLOCKS:
+    if nb < 3 or nb > MAX_BAND_BLOCKS or nb % 2 == 0:
+        # An even band would need a second layout of slot pairs (the kernel reads (nb - 1) / 2
+        # pairs and one block); no GPU test runs one, so those windows keep the portable kernel.
         return None
     for phase in range(0, BLOCK_KEYS, T):
         start = base + phase
@@ -233,16 +238,9 @@ if gluon is not None:
         """Issue S = Q · Kᵀ of the tile's band (``_finish_scores`` waits for it)."""
         zeros = gl.zeros([M, BLOCK_KEYS_C], gl.float32, s_layout)
         q_r = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        if NB % 2 == 0:
-            scores = ()
-            for j in gl.static_range(NB):
-                k = ring_k.index(_slot(s0, j, NS))
-                scores = scores + (warpgroup_mma(q_r, k.permute((1, 0)), zeros, use_acc=False,
-                                                 is_async=True), )
-            return scores
-        # Odd NB: (NB - 1) / 2 pairs of slots that start at an even slot, each one 32-key view
-        # (NS is even), and the one block left over (_block_of). Half the wgmmas and
-        # descriptors of one wgmma per slot.
+        # (NB - 1) / 2 pairs of slots that start at an even slot, each one 32-key view (NS is
+        # even), and the one block left over (_block_of): half the wgmmas and descriptors of one
+        # wgmma per slot.
         s2_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_KEYS_C, 16])
         zeros2 = gl.zeros([M, 2 * BLOCK_KEYS_C], gl.float32, s2_layout)
@@ -262,8 +260,6 @@ if gluon is not None:
     def _finish_scores(raw, NB: gl.constexpr, s_layout: gl.constexpr):
         """Wait for ``_band_scores``' wgmmas; the scores as NB [M, 16] blocks."""
         raw = warpgroup_mma_wait(0, deps=raw)
-        if NB % 2 == 0:
-            return raw
         scores = ()
         for i in gl.static_range(NB // 2):
             lo, hi = _halves(raw[i], s_layout)
@@ -272,11 +268,9 @@ if gluon is not None:
 
     @gluon.jit
     def _block_of(e: gl.constexpr, odd, NB: gl.constexpr):
-        """Band block held by score element ``e``. Even NB: block e. Odd NB (pairs): elements
-        0 … NB - 2 are the pairs' halves, from block ``odd`` on; element NB - 1 is the block left
-        over: the last one when the band starts at an even slot, the first when at an odd one."""
-        if NB % 2 == 0:
-            return e
+        """Band block held by score element ``e``: elements 0 … NB - 2 are the pairs' halves, from
+        block ``odd`` on; element NB - 1 is the block left over: the last one when the band starts
+        at an even slot, the first when at an odd one (``odd``: the parity of that slot)."""
         if e == NB - 1:
             return (1 - odd) * (NB - 1)
         return e + odd
@@ -301,7 +295,7 @@ if gluon is not None:
                 masked = masked + (_mask_edge_block(
                     scores[j], key_f + _block_of(j, odd, NB) * BLOCK_KEYS_C, row_lo, row_hi, bias,
                     KEY0_BIAS), )
-        elif NB % 2 == 1:
+        else:
             # Element 0 is block 0 (cut from below) or 1 (all visible), element NB - 2 block
             # NB - 2 (all visible) or NB - 1 (cut from above): one compare each. The block left
             # over is the first or the last: both bounds.
@@ -319,15 +313,6 @@ if gluon is not None:
             keys = _keys(single, key_f + _block_of(NB - 1, odd, NB) * BLOCK_KEYS_C)
             visible = (keys >= _row(row_lo, single)) & (keys <= _row(row_hi, single))
             masked = masked + (gl.where(visible, single, float("-inf")), )
-        else:
-            first = scores[0]
-            masked = (gl.where(_keys(first, key_f) >= _row(row_lo, first), first, float("-inf")), )
-            for j in gl.static_range(1, NB - 1):
-                masked = masked + (scores[j], )
-            last = scores[NB - 1]
-            last_key = key_f + (NB - 1) * BLOCK_KEYS_C
-            masked = masked + (gl.where(_keys(last, last_key) <= _row(row_hi, last), last,
-                                        float("-inf")), )
         return masked
 
     @gluon.jit
@@ -353,36 +338,28 @@ if gluon is not None:
         acc = gl.zeros([M, D], gl.float32, o_layout)
         l_acc = gl.zeros([M, 8], gl.float32, l_layout)
         ones1 = ones.slice(0, BLOCK_KEYS_C)
-        if NB % 2 == 0:
-            for j in gl.static_range(NB):
-                s = scores[j]
-                p = gl.exp2(s * qk_scale - _row(mc, s)).to(ring_v.dtype)
-                a = gl.convert_layout(p, p_layout)
-                acc = warpgroup_mma(a, ring_v.index(_slot(s0, j, NS)), acc, is_async=True)
-                l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout, assert_trivial=True), ones1,
-                                      l_acc, is_async=True)
-        else:
-            # The pairs' halves back together: one 32-key wgmma on a pair of value slots.
-            odd = s0 % 2
-            pairs = ring_v._reinterpret(ring_v.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_v.shape[2]],
-                                        ring_v.type.layout)
-            for i in gl.static_range(NB // 2):
-                lo = scores[2 * i]
-                hi = scores[2 * i + 1]
-                p_lo = gl.exp2(lo * qk_scale - _row(mc, lo)).to(ring_v.dtype)
-                p_hi = gl.exp2(hi * qk_scale - _row(mc, hi)).to(ring_v.dtype)
-                p2 = gl.reshape(gl.permute(gl.join(p_lo, p_hi), (0, 2, 1)), [M, 2 * BLOCK_KEYS_C])
-                a = gl.convert_layout(p2, p_layout)
-                acc = warpgroup_mma(a, pairs.index(_slot(s0 + odd, 2 * i, NS) >> 1), acc,
-                                    is_async=True)
-                l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout), ones, l_acc, is_async=True)
-            s = scores[NB - 1]
-            p = gl.exp2(s * qk_scale - _row(mc, s)).to(ring_v.dtype)
-            a = gl.convert_layout(p, p_layout)
-            acc = warpgroup_mma(a, ring_v.index(_slot(s0, _block_of(NB - 1, odd, NB), NS)), acc,
+        # The pairs' halves back together: one 32-key wgmma on a pair of value slots, in the
+        # blocks' order within the pairs; the block left over last.
+        odd = s0 % 2
+        pairs = ring_v._reinterpret(ring_v.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_v.shape[2]],
+                                    ring_v.type.layout)
+        for i in gl.static_range(NB // 2):
+            lo = scores[2 * i]
+            hi = scores[2 * i + 1]
+            p_lo = gl.exp2(lo * qk_scale - _row(mc, lo)).to(ring_v.dtype)
+            p_hi = gl.exp2(hi * qk_scale - _row(mc, hi)).to(ring_v.dtype)
+            p2 = gl.reshape(gl.permute(gl.join(p_lo, p_hi), (0, 2, 1)), [M, 2 * BLOCK_KEYS_C])
+            a = gl.convert_layout(p2, p_layout)
+            acc = warpgroup_mma(a, pairs.index(_slot(s0 + odd, 2 * i, NS) >> 1), acc,
                                 is_async=True)
-            l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout, assert_trivial=True), ones1,
-                                  l_acc, is_async=True)
+            l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout), ones, l_acc, is_async=True)
+        s = scores[NB - 1]
+        p = gl.exp2(s * qk_scale - _row(mc, s)).to(ring_v.dtype)
+        a = gl.convert_layout(p, p_layout)
+        acc = warpgroup_mma(a, ring_v.index(_slot(s0, _block_of(NB - 1, odd, NB), NS)), acc,
+                            is_async=True)
+        l_acc = warpgroup_mma(gl.convert_layout(a, pl_layout, assert_trivial=True), ones1, l_acc,
+                              is_async=True)
         return warpgroup_mma_wait(0, deps=(acc, l_acc))
 
     @gluon.jit
@@ -415,7 +392,8 @@ if gluon is not None:
             IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr):
         D: gl.constexpr = 64
         M: gl.constexpr = T * GP
-        NS: gl.constexpr = NB + 2 + (NB % 2)  # WalkGeometry.ns
+        gl.static_assert(NB % 2 == 1, "walk_geometry gives odd bands only")
+        NS: gl.constexpr = NB + 3  # WalkGeometry.ns
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 16, 16])
