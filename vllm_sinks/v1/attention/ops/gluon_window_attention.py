@@ -228,7 +228,8 @@ if gluon is not None:
 
     @gluon.jit
     def _slot(s0, j: gl.constexpr, NS: gl.constexpr):
-        """Ring slot of the band's block ``j`` when block 0 is in slot ``s0`` (< NS; j < NS)."""
+        """Ring slot of the band's block ``j`` when block 0 is in slot ``s0`` (s0 <= NS, as for the
+        first pair of a band whose block 0 is in the last slot; s0 + j < 2 NS)."""
         s = s0 + j
         return s - NS * (s >= NS).to(gl.int32)
 
