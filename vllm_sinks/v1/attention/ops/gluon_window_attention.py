@@ -148,17 +148,6 @@ def walk_geometry(tokens_per_tile: int, window_q: int, window_k: int, is_causal:
 if gluon is not None:
 
     @gluon.jit
-    def _issue_next(q_buf, ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt, stride_vt,
-                    q_off, k_off, v_off, row_tokens, key_rows, t, kb_lo, kb_hi, seq_len,
-                    T: gl.constexpr, NS: gl.constexpr):
-        """Prefetch tile ``t`` inside the walk: its queries and the one block its band gains, if
-        any (T <= 16: a band moves by at most one block per tile)."""
-        _issue_queries(q_buf, q_seq, stride_qt, q_off, row_tokens, t, seq_len, T)
-        if kb_lo < kb_hi:
-            _issue_block(ring_k, ring_v, k_seq, v_seq, stride_kt, stride_vt, k_off, v_off, key_rows,
-                         kb_lo, seq_len, NS)
-
-    @gluon.jit
     def _band_start(t, T: gl.constexpr, window_q, band_offset):
         """First block of tile ``t``'s band: floor((t*T - wq) / 16). The offset (a multiple of 16
         ≥ wq) keeps the dividend non-negative, since integer division truncates."""
@@ -196,12 +185,20 @@ if gluon is not None:
     @gluon.jit
     def _issue_tile(q_buf, ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt, stride_vt,
                     q_off, k_off, v_off, row_tokens, key_rows, t, kb_lo, kb_hi, seq_len,
-                    T: gl.constexpr, NS: gl.constexpr):
-        """Prefetch tile ``t``: its queries and the key blocks ``kb_lo … kb_hi - 1`` its band gains."""
+                    T: gl.constexpr, NS: gl.constexpr, IN_WALK: gl.constexpr):
+        """Prefetch tile ``t``: its queries and the key blocks ``kb_lo … kb_hi - 1`` its band gains.
+        IN_WALK (every tile but a program's first): at most one block (T <= 16: a band moves by
+        at most one block per tile), issued without a loop (no loop counter, no per-block
+        modulo in the tile loop)."""
         _issue_queries(q_buf, q_seq, stride_qt, q_off, row_tokens, t, seq_len, T)
-        for kb in range(kb_lo, kb_hi):
-            _issue_block(ring_k, ring_v, k_seq, v_seq, stride_kt, stride_vt, k_off, v_off, key_rows,
-                         kb, seq_len, NS)
+        if IN_WALK:
+            if kb_lo < kb_hi:
+                _issue_block(ring_k, ring_v, k_seq, v_seq, stride_kt, stride_vt, k_off, v_off,
+                             key_rows, kb_lo, seq_len, NS)
+        else:
+            for kb in range(kb_lo, kb_hi):
+                _issue_block(ring_k, ring_v, k_seq, v_seq, stride_kt, stride_vt, k_off, v_off,
+                             key_rows, kb, seq_len, NS)
 
     @gluon.jit
     def _row(x, s):
@@ -464,14 +461,14 @@ if gluon is not None:
         if t_begin < t_end:
             _issue_tile(q_ring.index(0), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
                         stride_vt, q_off, k_off, v_off, row_tokens, key_rows, t_begin, first_kb,
-                        gl.minimum(kb0 + NB, nblocks), seq_len, T, NS)
+                        gl.minimum(kb0 + NB, nblocks), seq_len, T, NS, False)
         async_copy.commit_group()
         if t_begin + 1 < t_end:
-            _issue_next(q_ring.index(1), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
+            _issue_tile(q_ring.index(1), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
                         stride_vt, q_off, k_off, v_off, row_tokens, key_rows, t_begin + 1,
                         gl.maximum(kb0 + NB, first_kb),
                         gl.minimum(_band_start(t_begin + 1, T, window_q, band_offset) + NB, nblocks),
-                        seq_len, T, NS)
+                        seq_len, T, NS, True)
         async_copy.commit_group()
 
         # -- per-row sink terms: the null logit's floor under the max, or key 0's bias
@@ -530,10 +527,10 @@ if gluon is not None:
             if t + 2 < t_end:
                 b_next = _band_start(t + 1, T, window_q, band_offset)
                 b_after = _band_start(t + 2, T, window_q, band_offset)
-                _issue_next(q_ring.index((it + 2) % 3), ring_k, ring_v, q_seq, k_seq, v_seq,
+                _issue_tile(q_ring.index((it + 2) % 3), ring_k, ring_v, q_seq, k_seq, v_seq,
                             stride_qt, stride_kt, stride_vt, q_off, k_off, v_off, row_tokens,
                             key_rows, t + 2, gl.maximum(b_next + NB, first_kb),
-                            gl.minimum(b_after + NB, nblocks), seq_len, T, NS)
+                            gl.minimum(b_after + NB, nblocks), seq_len, T, NS, True)
             async_copy.commit_group()
             _stage_tile(acc, l, q_s)
         _cta_barrier()
