@@ -5,7 +5,8 @@
 One MiMo image (1 × 4096 tokens, 32/8 heads, D 64, window ±64, key-0 sinks; max_input_len a CPU
 tensor, as MiMo passes it) and the same call with an int bound on full attention (the portable
 kernel). Each row is the median over 7 repetitions of a CPU timer around ``--calls`` calls, the GPU
-work only queued (synchronised outside the timer). Rows:
+work only queued (synchronised outside the timer every ``SYNC_EVERY`` calls, so that the launch
+queue never fills and the CPU never waits for the GPU inside the timer). Rows:
 
 - call key: building the call signature (``prefill_attention_problem.call_key``);
 - op call: ``context_attention_fwd`` end to end (key, plan lookup, launch);
@@ -41,18 +42,32 @@ from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: 
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # noqa: E402
 
 
+#: Calls timed between two synchronisations. CUDA's launch queue is bounded: when a kernel takes
+#: longer on the GPU than its launch on the CPU (MiMo 1 × 4096: ~26 µs against ~10), a long run of
+#: calls fills it and the CPU then waits for the GPU inside the timer. With one synchronisation per
+#: 2,000 calls (sessions 11 and 12) the C launch alone measured 9.5–10.6 µs and an op call 10.7–19.0 µs
+#: from one run to the next; with one per 250, 3.8 µs and 10.2–11.5 µs (session 12, same machine).
+SYNC_EVERY = 250
+
+
 def per_call_us(fn, calls: int, reps: int = 7, sync=torch.cuda.synchronize) -> float:
     """Median over ``reps`` of the CPU µs per call of ``calls`` calls; ``sync`` (the GPU work
-    queued, None on a CPU) runs outside the timer."""
+    queued, None on a CPU) runs outside the timer, every SYNC_EVERY calls."""
     fn()
+    block = calls if sync is None else min(calls, SYNC_EVERY)
     times = []
     for _ in range(reps):
-        if sync is not None:
-            sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
+        elapsed, done = 0.0, 0
+        while done < calls:
+            n = min(block, calls - done)
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            elapsed += time.perf_counter() - t0
+            done += n
+        times.append(elapsed / calls * 1e6)
     if sync is not None:
         sync()
     return statistics.median(times)
