@@ -304,16 +304,12 @@ def measure_case(c: Case, bandwidth: float, args, tuned: LaunchConfig | None = N
 
 
 def host_us(fn, calls: int = 200) -> float:
-    """CPU µs per call of ``fn`` once its call signature has been seen: a CPU timer around
-    ``calls`` calls, the GPU work only queued (synchronised before and after, outside the timer)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    """CPU µs per call of ``fn`` once its call signature has been seen: ``host_cost.per_call_us``
+    (median of 7 timed runs of ``calls`` calls, the GPU work only queued and synchronised outside
+    the timer)."""
+    from benchmarks.kernels.host_cost import per_call_us
+
+    return per_call_us(fn, calls)
 
 
 def _peer_columns(row, c: Case, q, k, v, sinks, starts, lens, ref, peers_loaded):
