@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from benchmarks.kernels.host_cost import per_call_us  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
     reference_prefill_attention,
     relative_l2,
@@ -307,8 +308,6 @@ def host_us(fn, calls: int = 200) -> float:
     """CPU µs per call of ``fn`` once its call signature has been seen: ``host_cost.per_call_us``
     (median of 7 timed runs of ``calls`` calls, the GPU work only queued and synchronised outside
     the timer)."""
-    from benchmarks.kernels.host_cost import per_call_us
-
     return per_call_us(fn, calls)
 
 
