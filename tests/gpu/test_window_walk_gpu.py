@@ -43,21 +43,29 @@ HEADS = {"gqa4": (32, 8), "gqa8": (64, 8), "gqa16": (32, 2), "gqa12": (24, 2)}
 LENS = [700, 1, 0, 300, 129, 16, 17, 63, 64, 65, 2048]
 
 
-def _plan(q, k, v, o, b_start, b_len, max_len, kwargs):
+def _plan(q, k, v, o, b_start, b_len, max_len, kwargs, gp=None):
     kwargs = dict(dict(sliding_window_q=None, sliding_window_k=None, sinks=None,
                        sinks_bias_key0=False), **kwargs)
     p = validate(q, k, v, o, b_start, b_len, max_len, softmax_scale=None, **kwargs)
-    return WalkLaunch.plan(p, q, k, v, o, b_start, b_len, kwargs.get("sinks"))
+    return WalkLaunch.plan(p, q, k, v, o, b_start, b_len, kwargs.get("sinks"), gp=gp)
 
 
-def _run(q, k, v, b_start, b_len, kwargs, max_len, chunk=None):
+def _short_tiles_gp(hq, hkv):
+    """The most query heads per tile (the shortest tiles: 64 / gp tokens), or None where that is
+    the default's 4 (16-token tiles)."""
+    most = min((hq // hkv) & -(hq // hkv), 64)
+    return most if most > 4 else None
+
+
+def _run(q, k, v, b_start, b_len, kwargs, max_len, chunk=None, gp=None):
     """Output of one walk launch into a NaN-poisoned buffer one element wider on every side (the
     launch is planned for that output view: its strides are bound at planning)."""
     tokens, hq, d = q.shape
     buf = torch.full((tokens + 2, hq + 1, d + 1), float("nan"), dtype=q.dtype, device=q.device)
     o = buf[:tokens, :hq, :d]
-    walk = _plan(q, k, v, o, b_start, b_len, max_len, kwargs)
+    walk = _plan(q, k, v, o, b_start, b_len, max_len, kwargs, gp)
     assert walk is not None
+    assert walk.tokens_per_tile == 64 // (gp or 4)
     assert walk(q, k, v, o, b_start, b_len, kwargs.get("sinks"), max_len, chunk=chunk)
     rows = covered_rows(b_start, b_len, tokens)
     spare = buf.clone()
@@ -93,14 +101,20 @@ def test_plan_takes_the_window_shapes_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tiles", ["16-token", "short"])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("sink_mode", ["key0", "null", "none"])
 @pytest.mark.parametrize("pattern", list(WINDOWS)[:2] + list(WINDOWS)[4:])
-def test_against_reference_and_triton_kernel(pattern, sink_mode, heads, dtype):
+def test_against_reference_and_triton_kernel(pattern, sink_mode, heads, tiles, dtype):
+    """16-token tiles (the default: the walk takes them in pairs of static slot parity) and the
+    shortest tiles the heads allow (8 or 4 tokens: the parity read per tile)."""
     hq, hkv = HEADS[heads]
+    gp = _short_tiles_gp(hq, hkv) if tiles == "short" else None
+    if tiles == "short" and gp is None:
+        pytest.skip(f"{heads}: the shortest tiles are the default's 16 tokens")
     q, k, v, sinks, b_start, b_len = _packed(LENS, hq, hkv, 64, dtype, gaps=3, seed=11)
     kwargs = _args(sink_mode, pattern, sinks)
-    o, rows = _run(q, k, v, b_start, b_len, kwargs, max(LENS))
+    o, rows = _run(q, k, v, b_start, b_len, kwargs, max(LENS), gp=gp)
     ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **kwargs)
     base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **kwargs)
     err = relative_l2(o[rows], ref[rows])
@@ -111,16 +125,18 @@ def test_against_reference_and_triton_kernel(pattern, sink_mode, heads, dtype):
     assert relative_l2(o[rows], o_triton[rows]) <= 2.0 * base
 
 
+@pytest.mark.parametrize("gp", [None, 8])
 @pytest.mark.parametrize("pattern", ["mimo-window", "gptoss-causal-window"])
-def test_same_bits_however_the_sequences_are_cut(pattern):
+def test_same_bits_however_the_sequences_are_cut(pattern, gp):
     """Tiles per program (1, 3, 7, the default, all) and a too-small length bound (the last program
-    of each sequence then takes every tile past it) give bit-identical outputs."""
-    q, k, v, sinks, b_start, b_len = _packed(LENS, 32, 8, 64, torch.bfloat16, gaps=1, seed=12)
+    of each sequence then takes every tile past it) give bit-identical outputs: with 16-token tiles
+    a program's walk starts at an odd slot as often as at an even one."""
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 64, 8, 64, torch.bfloat16, gaps=1, seed=12)
     kwargs = _args("key0" if pattern == "mimo-window" else "null", pattern, sinks)
-    first, rows = _run(q, k, v, b_start, b_len, kwargs, max(LENS))
+    first, rows = _run(q, k, v, b_start, b_len, kwargs, max(LENS), gp=gp)
     for max_len, chunk in ((max(LENS), 1), (max(LENS), 3), (max(LENS), 7), (max(LENS), 10**6),
                            (64, None), (1, 1), (200, 2)):
-        o, _ = _run(q, k, v, b_start, b_len, kwargs, max_len, chunk)
+        o, _ = _run(q, k, v, b_start, b_len, kwargs, max_len, chunk, gp=gp)
         assert torch.equal(o[rows], first[rows]), (max_len, chunk)
 
 

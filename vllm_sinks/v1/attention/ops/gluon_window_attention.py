@@ -26,9 +26,13 @@ wgmma, so this one can:
   its end, read back and stored after the next tile's barrier, while its wgmmas run;
 - **mask only where the window cuts**: ``walk_geometry`` proves from the window that every query of
   an interior tile sees all of the middle blocks, that the first block is cut only from below and
-  the last only from above (one compare per score there; two for the block the slot pairs leave
-  over, which is the first or the last). Tiles at a sequence's edges (key 0 in reach, or a band
-  past the end) mask every block and carry the key-0 bias.
+  the last only from above. Tiles at a sequence's edges (key 0 in reach, or a band past the end)
+  mask every block and carry the key-0 bias;
+- **take 16-token tiles in pairs**: such a tile's band gains one block, so the parity of its first
+  slot alternates tile by tile. Walking tiles in pairs (even slot, then odd) makes it a constexpr:
+  which slot pairs feed the wgmmas, which block is left over, and that only the first and last
+  blocks get one compare each (~8 % fewer instructions per tile). Shorter tiles (``gp`` > 4) read
+  the parity per tile and compare the block left over on both sides.
 
 Gluon's API moves between Triton releases. The kernel uses only what 3.6, 3.7 and 3.8 share, plus
 one alias (the CTA barrier: ``gl.thread_barrier`` in 3.6, ``gl.barrier`` from 3.7). A ring view is
@@ -231,9 +235,10 @@ if gluon is not None:
         return s - NS * (s >= NS).to(gl.int32)
 
     @gluon.jit
-    def _band_scores(q_s, ring_k, s0, M: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr,
+    def _band_scores(q_s, ring_k, s0, odd, M: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr,
                      s_layout: gl.constexpr):
-        """Issue S = Q · Kᵀ of the tile's band (``_finish_scores`` waits for it)."""
+        """Issue S = Q · Kᵀ of the tile's band (``_finish_scores`` waits for it); ``odd``: the
+        parity of ``s0``, a constexpr where the walk knows it."""
         zeros = gl.zeros([M, BLOCK_KEYS_C], gl.float32, s_layout)
         q_r = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         # (NB - 1) / 2 pairs of slots that start at an even slot, each one 32-key view (NS is
@@ -244,7 +249,6 @@ if gluon is not None:
         zeros2 = gl.zeros([M, 2 * BLOCK_KEYS_C], gl.float32, s2_layout)
         pairs = ring_k._reinterpret(ring_k.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_k.shape[2]],
                                     ring_k.type.layout)
-        odd = s0 % 2
         raw = ()
         for i in gl.static_range(NB // 2):
             k2 = pairs.index(_slot(s0 + odd, 2 * i, NS) >> 1)
@@ -283,16 +287,32 @@ if gluon is not None:
 
     @gluon.jit
     def _mask_band(scores, key_f, odd, row_lo, row_hi, bias, edge, NB: gl.constexpr,
-                   KEY0_BIAS: gl.constexpr):
+                   KEY0_BIAS: gl.constexpr, PARITY: gl.constexpr):
         """Visibility on the band's scores. Interior tiles (``edge`` false): walk_geometry proved
         the middle blocks fully visible, the first block cut only from below, the last only from
-        above. Edge tiles (key 0 in reach, or keys past the end): every block, and key 0's bias."""
+        above. Edge tiles (key 0 in reach, or keys past the end): every block, and key 0's bias.
+        PARITY: ``odd`` as a constexpr (0 or 1) where the walk knows it, else -1."""
         if edge:
             masked = ()
             for j in gl.static_range(NB):
                 masked = masked + (_mask_edge_block(
                     scores[j], key_f + _block_of(j, odd, NB) * BLOCK_KEYS_C, row_lo, row_hi, bias,
                     KEY0_BIAS), )
+        elif PARITY >= 0:
+            # The parity is known, so is where the first and last blocks are: block 0 is element
+            # 0 (even) or the block left over (odd), block NB - 1 the block left over (even) or
+            # element NB - 2 (odd). One compare each, none on the middle blocks.
+            FIRST: gl.constexpr = (NB - 1) * PARITY
+            LAST: gl.constexpr = NB - 1 - PARITY
+            masked = ()
+            for j in gl.static_range(NB):
+                s = scores[j]
+                if j == FIRST:
+                    s = gl.where(_keys(s, key_f) >= _row(row_lo, s), s, float("-inf"))
+                elif j == LAST:
+                    s = gl.where(_keys(s, key_f + (NB - 1) * BLOCK_KEYS_C) <= _row(row_hi, s), s,
+                                 float("-inf"))
+                masked = masked + (s, )
         else:
             # Element 0 is block 0 (cut from below) or 1 (all visible), element NB - 2 block
             # NB - 2 (all visible) or NB - 1 (cut from above): one compare each. The block left
@@ -324,7 +344,7 @@ if gluon is not None:
         return gl.maximum(m, m_floor)
 
     @gluon.jit
-    def _band_pv(scores, mc, qk_scale, ring_v, ones, s0, M: gl.constexpr, D: gl.constexpr,
+    def _band_pv(scores, mc, qk_scale, ring_v, ones, s0, odd, M: gl.constexpr, D: gl.constexpr,
                  NB: gl.constexpr, NS: gl.constexpr, o_layout: gl.constexpr,
                  l_layout: gl.constexpr):
         """acc = P · V and l = P · 1 over the band, P = exp2(S * qk_scale - mc) per row, P in
@@ -338,7 +358,6 @@ if gluon is not None:
         ones1 = ones.slice(0, BLOCK_KEYS_C)
         # The pairs' halves back together: one 32-key wgmma on a pair of value slots, in the
         # blocks' order within the pairs; the block left over last.
-        odd = s0 % 2
         pairs = ring_v._reinterpret(ring_v.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_v.shape[2]],
                                     ring_v.type.layout)
         for i in gl.static_range(NB // 2):
@@ -483,56 +502,72 @@ if gluon is not None:
         else:
             m_floor = gl.full([M], -1.0e30, gl.float32, row_layout)
 
-        for t in range(t_begin, t_end):
-            it = t - t_begin
-            # Tile t's queries and blocks were issued two tiles ahead (tile t + 1's may still be
-            # in flight). The fence makes the copies visible to the wgmmas (async proxy); the
-            # barrier, every warp's copies and tile t - 1's staged output to every warp.
-            async_copy.wait_group(1)
-            fence_async_shared()
-            _cta_barrier()
-            b0 = _band_start(t, T, window_q, band_offset)
-            q_s = q_ring.index(it % 3)
-            s0 = (b0 + NS) % NS  # block b0's slot (b0 >= -NS: the window reaches < NB blocks back)
-            pending = _band_scores(q_s, ring_k, s0, M, NB, NS, s_layout)
-            # Tile t - 1's output, staged before the barrier above, goes out while tile t's
-            # scores are computed (the prefetch below refills its buffer: the compiler puts a
-            # barrier before it).
-            if t > t_begin:
-                _store_staged(q_ring.index((it + 2) % 3), o_seq, o_off, io_cols, stride_ot,
-                              row_tokens, t - 1, seq_len, T, io_layout)
-            scores = _finish_scores(pending, NB, s_layout)
-            pos = t * T + rows // GP
-            row_lo = gl.maximum(pos - window_q, 0)
-            if IS_CAUSAL:
-                row_hi = pos
-                if HAS_WK:
-                    row_hi = gl.minimum(row_hi, pos + window_k)
-            else:
-                row_hi = pos + window_k
-            row_hi = gl.minimum(row_hi, seq_len - 1)
-            edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
-            scores = _mask_band(scores, b0 * BLOCK_KEYS_C, s0 % 2, row_lo, row_hi, sink_raw, edge, NB,
-                                SINK_MODE == KEY0_BIAS_C)
-            m = _band_max(scores, m_floor, NB, row_layout)
-            mc = m * qk_scale
-            acc, l_acc = _band_pv(scores, mc, qk_scale, ring_v, ones, s0, M, D, NB, NS,
-                                  o_layout, l_layout)
-            # Every column of l_acc holds the row sum.
-            l = gl.convert_layout(gl.max(l_acc, 1), row_layout, assert_trivial=True)
-            if SINK_MODE == NULL_LOGIT_C:
-                l += gl.exp2(sink_raw * qk_scale - mc)
-            # Prefetch tile t + 2 now that this tile's wgmmas are done: no copy is in flight while
-            # they read the ring, so no proxy fence is needed before them.
-            if t + 2 < t_end:
-                b_next = _band_start(t + 1, T, window_q, band_offset)
-                b_after = _band_start(t + 2, T, window_q, band_offset)
-                _issue_tile(q_ring.index((it + 2) % 3), ring_k, ring_v, q_seq, k_seq, v_seq,
-                            stride_qt, stride_kt, stride_vt, q_off, k_off, v_off, row_tokens,
-                            key_rows, t + 2, gl.maximum(b_next + NB, first_kb),
-                            gl.minimum(b_after + NB, nblocks), seq_len, T, NS, True)
-            async_copy.commit_group()
-            _stage_tile(acc, l, q_s)
+        # A 16-token tile gains one block, so the slot of its band's first block alternates in
+        # parity tile by tile: the walk then takes tiles in pairs (even slot, odd slot), and in each
+        # the slot pairs, the block left over and the two blocks to mask are known to the compiler
+        # (kernel log, run 13). Shorter tiles read the parity per tile.
+        STEP: gl.constexpr = 2 if T == BLOCK_KEYS_C else 1
+        lead = 0
+        if STEP == 2:  # a walk that starts at an odd slot starts with the second of a pair
+            lead = ((_band_start(t_begin, T, window_q, band_offset) + NS) % NS) % 2
+        for t_pair in range(t_begin - lead, t_end, STEP):
+            for half in gl.static_range(STEP):
+                t = t_pair + half
+                if (t >= t_begin) & (t < t_end):
+                    it = t - t_begin
+                    # Tile t's queries and blocks were issued two tiles ahead (tile t + 1's may
+                    # still be in flight). The fence makes the copies visible to the wgmmas (async
+                    # proxy); the barrier, every warp's copies and tile t - 1's staged output to
+                    # every warp.
+                    async_copy.wait_group(1)
+                    fence_async_shared()
+                    _cta_barrier()
+                    b0 = _band_start(t, T, window_q, band_offset)
+                    q_s = q_ring.index(it % 3)
+                    # block b0's slot (b0 >= -NS: the window reaches < NB blocks back)
+                    s0 = (b0 + NS) % NS
+                    odd = half if STEP == 2 else s0 % 2
+                    pending = _band_scores(q_s, ring_k, s0, odd, M, NB, NS, s_layout)
+                    # Tile t - 1's output, staged before the barrier above, goes out while tile
+                    # t's scores are computed (the prefetch below refills its buffer: the
+                    # compiler puts a barrier before it).
+                    if t > t_begin:
+                        _store_staged(q_ring.index((it + 2) % 3), o_seq, o_off, io_cols,
+                                      stride_ot, row_tokens, t - 1, seq_len, T, io_layout)
+                    scores = _finish_scores(pending, NB, s_layout)
+                    pos = t * T + rows // GP
+                    row_lo = gl.maximum(pos - window_q, 0)
+                    if IS_CAUSAL:
+                        row_hi = pos
+                        if HAS_WK:
+                            row_hi = gl.minimum(row_hi, pos + window_k)
+                    else:
+                        row_hi = pos + window_k
+                    row_hi = gl.minimum(row_hi, seq_len - 1)
+                    edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
+                    scores = _mask_band(scores, b0 * BLOCK_KEYS_C, odd, row_lo, row_hi, sink_raw,
+                                        edge, NB, SINK_MODE == KEY0_BIAS_C,
+                                        half if STEP == 2 else -1)
+                    m = _band_max(scores, m_floor, NB, row_layout)
+                    mc = m * qk_scale
+                    acc, l_acc = _band_pv(scores, mc, qk_scale, ring_v, ones, s0, odd, M, D, NB,
+                                          NS, o_layout, l_layout)
+                    # Every column of l_acc holds the row sum.
+                    l = gl.convert_layout(gl.max(l_acc, 1), row_layout, assert_trivial=True)
+                    if SINK_MODE == NULL_LOGIT_C:
+                        l += gl.exp2(sink_raw * qk_scale - mc)
+                    # Prefetch tile t + 2 now that this tile's wgmmas are done: no copy is in
+                    # flight while they read the ring, so no proxy fence is needed before them.
+                    if t + 2 < t_end:
+                        b_next = _band_start(t + 1, T, window_q, band_offset)
+                        b_after = _band_start(t + 2, T, window_q, band_offset)
+                        _issue_tile(q_ring.index((it + 2) % 3), ring_k, ring_v, q_seq, k_seq,
+                                    v_seq, stride_qt, stride_kt, stride_vt, q_off, k_off, v_off,
+                                    row_tokens, key_rows, t + 2,
+                                    gl.maximum(b_next + NB, first_kb),
+                                    gl.minimum(b_after + NB, nblocks), seq_len, T, NS, True)
+                    async_copy.commit_group()
+                    _stage_tile(acc, l, q_s)
         _cta_barrier()
         if t_end > t_begin:
             _store_staged(q_ring.index((t_end - 1 - t_begin) % 3), o_seq, o_off, io_cols,
@@ -571,7 +606,7 @@ def walk_unavailable(device: torch.device) -> str | None:
 
 # Programs resident per SM: up to 74 KB of shared memory each (NB = 9: 12 ring slots of K and V,
 # three query buffers), and registers capped at 168 so that three programs' 12 warps fit the
-# register file (ptxas: 164 at NB = 9, no spill).
+# register file (ptxas: 164–168 at NB = 9, no spill).
 _PROGRAMS_PER_SM = 3
 _MAX_REGISTERS = 168
 _SM_COUNT: dict = {}
@@ -614,8 +649,10 @@ class WalkLaunch:
     @classmethod
     def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks, gp: int | None = None):
         """A launch when the call fits the kernel, else None. ``gp``: query heads per tile (a
-        power of two ≥ 4 dividing the heads per KV head; tiles are 64 / gp tokens), default the
-        most that divide (benchmarks/kernels/sweep_walk_tiles.py times the others)."""
+        power of two ≥ 4 dividing the heads per KV head; tiles are 64 / gp tokens), default 4:
+        16-token tiles, whose slot parity the walk knows statically (kernel log, run 13: 1–4 %
+        faster than 8-token tiles of 8 heads; benchmarks/kernels/sweep_walk_tiles.py times the
+        others)."""
         if not p.host_bound or walk_unavailable(p.device) is not None:
             return None
         if p.dtype not in (torch.float16, torch.bfloat16) or p.out_dtype != p.dtype:
@@ -623,7 +660,7 @@ class WalkLaunch:
         if p.head_dim != HEAD_DIM or p.empty or p.num_seqs > MAX_GRID_YZ:
             return None
         most = min(p.queries_per_kv & -p.queries_per_kv, ROWS)
-        gp = most if gp is None else gp
+        gp = ROWS // BLOCK_KEYS if gp is None else gp
         if gp < ROWS // BLOCK_KEYS or gp > most or gp & (gp - 1):
             return None
         geometry = walk_geometry(ROWS // gp, p.window_q, p.window_k, p.is_causal)
