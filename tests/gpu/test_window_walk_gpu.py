@@ -100,18 +100,19 @@ def test_plan_takes_the_window_shapes_only():
     assert _plan(q, k, v, o, b_start, b_len, 64, unaligned) is None
 
 
+# 16-token tiles (the default: the walk takes them in pairs of static slot parity) for every head
+# ratio, and the shortest tiles a ratio allows where those are shorter (8 or 4 tokens: the parity
+# read per tile).
+TILINGS = [(h, None) for h in HEADS] + [(h, _short_tiles_gp(*HEADS[h])) for h in HEADS
+                                        if _short_tiles_gp(*HEADS[h])]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("tiles", ["16-token", "short"])
-@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("heads,gp", TILINGS, ids=[f"{h}-gp{gp or 4}" for h, gp in TILINGS])
 @pytest.mark.parametrize("sink_mode", ["key0", "null", "none"])
 @pytest.mark.parametrize("pattern", list(WINDOWS)[:2] + list(WINDOWS)[4:])
-def test_against_reference_and_triton_kernel(pattern, sink_mode, heads, tiles, dtype):
-    """16-token tiles (the default: the walk takes them in pairs of static slot parity) and the
-    shortest tiles the heads allow (8 or 4 tokens: the parity read per tile)."""
+def test_against_reference_and_triton_kernel(pattern, sink_mode, heads, gp, dtype):
     hq, hkv = HEADS[heads]
-    gp = _short_tiles_gp(hq, hkv) if tiles == "short" else None
-    if tiles == "short" and gp is None:
-        pytest.skip(f"{heads}: the shortest tiles are the default's 16 tokens")
     q, k, v, sinks, b_start, b_len = _packed(LENS, hq, hkv, 64, dtype, gaps=3, seed=11)
     kwargs = _args(sink_mode, pattern, sinks)
     o, rows = _run(q, k, v, b_start, b_len, kwargs, max(LENS), gp=gp)
