@@ -56,7 +56,7 @@ run_pytest() {  # name venv paths...
 
 compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90a under this Triton
   local name=$1 venv=$2 case
-  for case in mimo gpt-oss; do
+  for case in mimo gpt-oss gpt-oss-gp8; do  # both paths of the tile loop (kernel log, run 13)
     echo "=== [$name] compile check: benchmarks/kernels/inspect_window_walk.py --case $case"
     if ! "$venv/bin/python" benchmarks/kernels/inspect_window_walk.py --case "$case" \
         >"$out/compile-$name-$case.log" 2>&1; then

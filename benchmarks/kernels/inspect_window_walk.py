@@ -28,8 +28,11 @@ from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E4
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import SINKS_KEY0_BIAS, SINKS_NULL_LOGIT  # noqa: E402
 
 # (T, GP, queries per KV head, window q, window k, causal, sink mode)
+# gpt-oss: the default tiling (16-token tiles of 4 of the 8 heads per KV head: the walk's pairs of
+# static slot parity, like mimo); gpt-oss-gp8: 8-token tiles of 8 heads (the parity read per tile).
 CASES = {"mimo": (16, 4, 4, 64, 64, False, SINKS_KEY0_BIAS),
-         "gpt-oss": (8, 8, 8, 127, 0, True, SINKS_NULL_LOGIT)}
+         "gpt-oss": (16, 4, 8, 127, 0, True, SINKS_NULL_LOGIT),
+         "gpt-oss-gp8": (8, 8, 8, 127, 0, True, SINKS_NULL_LOGIT)}
 
 
 def compile_walk(case: str, gw=gw):
