@@ -30,7 +30,7 @@ def _docs(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from vllm_sinks.testing.differential import main as diff_main
+    from vllm_sinks.verify.differential import main as diff_main
 
     return diff_main(args.rest)
 

@@ -5,7 +5,7 @@
 The GPU machine's ``host_cost.py`` measures the whole call; this measures the Python layers above
 the C launcher anywhere, with CPU tensors, so a change to them can be timed without the device. The
 kernels' ``DirectLauncher``s get a stand-in kernel whose compiled launcher is an instance of the
-installed Triton's own ``CudaLauncher`` class (``vllm_sinks.testing.triton_launch_fakes``) with a
+installed Triton's own ``CudaLauncher`` class (``tests.support.triton_launch_fakes``) with a
 C no-op (``"".format``) as its C ``launch``: the release's Python ``CudaLauncher.__call__`` runs as on
 the GPU, the C launch (argument parsing, ``cuLaunchKernelEx``) costs ~nothing. The Hopper kernel's
 launch is planned as on an sm_90 GPU (its platform gate is lifted for the run). Rows (median of 7
@@ -34,7 +34,7 @@ import triton  # noqa: E402
 
 from benchmarks.kernels import host_cost  # noqa: E402
 from benchmarks.kernels.host_cost import host_cases, print_table  # noqa: E402
-from vllm_sinks.testing import triton_launch_fakes as fakes  # noqa: E402
+from tests.support import triton_launch_fakes as fakes  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_problem as problem  # noqa: E402

@@ -110,7 +110,7 @@ def test_interpreter_results_are_not_cached():
 import pytest  # noqa: E402
 from triton import knobs  # noqa: E402
 
-from vllm_sinks.testing import triton_launch_fakes as fakes  # noqa: E402
+from tests.support import triton_launch_fakes as fakes  # noqa: E402
 
 PACKED = "arg_annotations" in fakes.init_attributes()  # Triton 3.7, 3.8; 3.6 is "flat"
 CONSTEXPRS = dict(MODE=2, BLOCK=16)

@@ -26,7 +26,7 @@ from vllm_sinks.model_executor.models.transformers.fusers.sink import (  # noqa:
     SinkSite,
     attention_interface_call,
 )
-from vllm_sinks.testing import tiny_models  # noqa: E402
+from vllm_sinks.verify import tiny_models  # noqa: E402
 
 FAMILIES = [f for f in tiny_models.FAMILIES if tiny_models.family_available(f)]
 SPY = "vllm_sinks_test_spy"

@@ -1,6 +1,6 @@
 """`vllm-sinks verify`'s verdicts and table (pure Python: the engine runs are not needed for these)."""
 
-from vllm_sinks.verify import Row, format_table, verdict
+from vllm_sinks.verify.families import Row, format_table, verdict
 
 
 def test_fp32_bounds_follow_the_sink_dtype_of_the_kernel():

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 from vllm_sinks.patches import PATCHES  # noqa: E402
 from vllm_sinks.patches.registry import detect_vllm  # noqa: E402
-from vllm_sinks.testing.differential import Case, format_table, run_cases  # noqa: E402
+from vllm_sinks.verify.differential import Case, format_table, run_cases  # noqa: E402
 
 OFF = {"VLLM_SINKS_TRANSFORMERS_SINKS": "off"}
 CASES = [Case("gpt_oss", impl, dtype, OFF) for impl in ("vllm", "transformers")

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from vllm_sinks.testing import differential, tiny_models, tokenizer  # noqa: E402
+from vllm_sinks.verify import differential, tiny_models, tokenizer  # noqa: E402
 
 AVAILABLE = [f for f in tiny_models.FAMILIES if tiny_models.family_available(f)]
 
@@ -110,7 +110,7 @@ def test_tokenizer_ids_and_round_trip(cache):
 
 
 def test_tokenizer_training_is_deterministic_across_processes():
-    code = ("import hashlib; from vllm_sinks.testing import tokenizer as t; "
+    code = ("import hashlib; from vllm_sinks.verify import tokenizer as t; "
             "print(hashlib.sha256(t.build_tokenizer().to_str().encode()).hexdigest())")
     digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
@@ -135,7 +135,7 @@ def test_bf16_model_is_the_fp32_model_rounded(cache):
 
 
 def test_cache_reuses_and_concurrent_builds_do_not_race(tmp_path):
-    code = ("import sys; from vllm_sinks.testing import tiny_models as m; "
+    code = ("import sys; from vllm_sinks.verify import tiny_models as m; "
             "print(m.tiny_model('granite_swa', 'float32', cache_dir=sys.argv[1]))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -164,7 +164,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
 
 _FAKE_WORKER = r'''
 import json, os, subprocess, sys, time
-from vllm_sinks.testing.vllm_worker import JOB_BEGIN, JOB_END
+from vllm_sinks.verify.vllm_worker import JOB_BEGIN, JOB_END
 jobs, out, results = json.load(open(sys.argv[1]))["jobs"], sys.argv[2], []
 print(f"INFO [vllm-sinks] vllm-sinks 0.0 in pid {os.getpid()} (MainProcess), fake vLLM: p applied", flush=True)
 def write():
@@ -192,11 +192,11 @@ for i, job in enumerate(jobs):
 
 @pytest.fixture
 def fake_python(tmp_path):
-    """An 'interpreter' that runs the stand-in worker instead of ``-m vllm_sinks.testing.vllm_worker``."""
+    """An 'interpreter' that runs the stand-in worker instead of ``-m vllm_sinks.verify.vllm_worker``."""
     worker = tmp_path / "fake_worker.py"
     worker.write_text(_FAKE_WORKER)
     exe = tmp_path / "fake-python"
-    exe.write_text(f'#!/bin/sh\n[ "$2" = vllm_sinks.testing.vllm_worker ] || exit 99\nshift 2\n'
+    exe.write_text(f'#!/bin/sh\n[ "$2" = vllm_sinks.verify.vllm_worker ] || exit 99\nshift 2\n'
                    f'exec "{sys.executable}" "{worker}" "$@"\n')
     exe.chmod(0o755)
     return str(exe)

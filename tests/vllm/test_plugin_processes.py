@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("transformers")
 
 from vllm_sinks.patches import PATCHES  # noqa: E402
-from vllm_sinks.testing import differential, server, tiny_models  # noqa: E402
+from tests.support import server
+from vllm_sinks.verify import differential, tiny_models  # noqa: E402
 
 
 @pytest.fixture(scope="module")

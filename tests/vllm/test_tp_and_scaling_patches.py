@@ -22,7 +22,7 @@ from vllm_sinks.model_executor.models.transformers import causal as ours_causal 
 from vllm_sinks.model_executor.models.transformers import fx_utils as ours_fx  # noqa: E402
 from vllm_sinks.patches import install, logits_scaling, transformers_kv_heads, transformers_trace  # noqa: E402
 from vllm_sinks.patches.registry import detect_vllm  # noqa: E402
-from vllm_sinks.testing import tiny_models  # noqa: E402
+from vllm_sinks.verify import tiny_models  # noqa: E402
 
 INFO = detect_vllm()
 

@@ -13,7 +13,8 @@ pytest.importorskip("vllm")
 
 from vllm_sinks.patches import transformers_sinks  # noqa: E402
 from vllm_sinks.patches.registry import detect_vllm  # noqa: E402
-from vllm_sinks.testing import differential, server, tiny_models  # noqa: E402
+from tests.support import server
+from vllm_sinks.verify import differential, tiny_models  # noqa: E402
 
 MAX_TOKENS = 8
 

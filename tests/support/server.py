@@ -23,8 +23,8 @@ import urllib.error
 import urllib.request
 from typing import Iterator
 
-from vllm_sinks.testing.differential import BASE_ENV, IMPLS
-from vllm_sinks.testing.tiny_models import canonical_dtype
+from vllm_sinks.verify.differential import BASE_ENV, IMPLS
+from vllm_sinks.verify.tiny_models import canonical_dtype
 
 DEFAULT_PROMPT = "The harbor town wakes before the sun."
 
@@ -167,9 +167,9 @@ def server_check(model_dir: str | os.PathLike, impl: str = "transformers", *, dt
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from vllm_sinks.testing import tiny_models
+    from vllm_sinks.verify import tiny_models
 
-    ap = argparse.ArgumentParser(prog="python -m vllm_sinks.testing.server",
+    ap = argparse.ArgumentParser(prog="python -m tests.support.server",
                                  description="Start vLLM's API server on a tiny model and send one completion.")
     ap.add_argument("--family", default="gpt_oss", choices=tiny_models.FAMILIES)
     ap.add_argument("--impl", default="transformers", choices=IMPLS)

@@ -1,6 +1,6 @@
 """Subprocess side of the differential check: run vLLM offline and write prompt logprobs as JSON.
 
-    python -m vllm_sinks.testing.vllm_worker JOBS.json RESULTS.json
+    python -m vllm_sinks.verify.vllm_worker JOBS.json RESULTS.json
 
 JOBS.json: ``{"jobs": [{"model": dir, "impl": "transformers"|"vllm", "dtype": "float32"|"bfloat16",
 "token_ids": [...], "max_model_len": int}, ...]}``. Jobs run one after another, one ``LLM`` each,
@@ -116,7 +116,7 @@ def serve_jobs(argv: list[str] | None, prog: str, run: Callable[[dict], dict]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve_jobs(argv, "vllm_sinks.testing.vllm_worker", lambda job: {"logprobs": run_job(job)})
+    return serve_jobs(argv, "vllm_sinks.verify.vllm_worker", lambda job: {"logprobs": run_job(job)})
 
 
 if __name__ == "__main__":

@@ -5,13 +5,13 @@ model and HF eager (``attn_implementation="eager"``, the reference implementatio
 sink math) on the same token ids, and report mean |Δ logprob| over the prompt. A dropped or misapplied
 sink shows up as a gap of ~0.1–1; a correct path stays at the dtype's noise floor.
 
-vLLM runs in a subprocess (``vllm_sinks.testing.vllm_worker``): the env a case needs must be set
+vLLM runs in a subprocess (``vllm_sinks.verify.vllm_worker``): the env a case needs must be set
 before vLLM loads our plugin, and a native crash must not take the caller down. Cases sharing an env
 share one subprocess (vLLM's import is most of a run's cost on CPU), with the engine core in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless the case's env says otherwise: that skips two process
 spawns per model, and the model code and attention kernels that run are the same.
 
-    python -m vllm_sinks.testing.differential [--family gpt_oss] [--impl transformers vllm]
+    python -m vllm_sinks.verify.differential [--family gpt_oss] [--impl transformers vllm]
         [--dtype float32 bfloat16] [--patch on off]
 """
 
@@ -30,8 +30,8 @@ import tempfile
 import time
 from typing import Iterable, Sequence
 
-from vllm_sinks.testing import tiny_models
-from vllm_sinks.testing.vllm_worker import JOB_BEGIN, JOB_END
+from vllm_sinks.verify import tiny_models
+from vllm_sinks.verify.vllm_worker import JOB_BEGIN, JOB_END
 
 #: The fixed prompt (47 tokens with bos under our tokenizer). Longer than the tiny models'
 #: sliding window (8), so both window and full-attention layers matter; not a corpus sentence.
@@ -156,7 +156,7 @@ def prompt_token_ids(model_dir: str | os.PathLike, prompt: str = PROMPT) -> list
 def _family_of(model_dir: pathlib.Path) -> str:
     build = model_dir / "vllm_sinks_build.json"
     if not build.is_file():
-        raise ValueError(f"{model_dir} is not a tiny model built by vllm_sinks.testing.tiny_models")
+        raise ValueError(f"{model_dir} is not a tiny model built by vllm_sinks.verify.tiny_models")
     return json.loads(build.read_text())["family"]
 
 
@@ -251,7 +251,7 @@ def _run_worker_once(jobs: list[dict], env: dict[str, str], python: str, timeout
             json.dump({"jobs": jobs}, f)
         full_env = {**os.environ, **BASE_ENV, **env}
         with open(log_path, "w") as log_f:
-            proc = subprocess.Popen([python, "-m", "vllm_sinks.testing.vllm_worker", jobs_path, out_path],
+            proc = subprocess.Popen([python, "-m", "vllm_sinks.verify.vllm_worker", jobs_path, out_path],
                                     stdout=log_f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True)
             timed_out = False
@@ -425,7 +425,7 @@ def environment_line() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_sinks.testing.differential",
+    ap = argparse.ArgumentParser(prog="python -m vllm_sinks.verify.differential",
                                  description="vLLM prompt logprobs vs HF eager on tiny sink models.")
     ap.add_argument("--family", nargs="+", default=["gpt_oss"], choices=tiny_models.FAMILIES)
     ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)

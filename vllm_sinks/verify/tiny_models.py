@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from vllm_sinks.testing import tokenizer as _tok
+from vllm_sinks.verify import tokenizer as _tok
 
 if TYPE_CHECKING:
     import torch
@@ -233,7 +233,7 @@ def _build_fp32(family: str, seed: int, out: pathlib.Path) -> None:
     model = cls(config).to(torch.float32).eval()
     if _draw_sinks(model, seed) == 0:
         raise RuntimeError(f"{spec.model_class} built without any `sinks` parameter: "
-                           "transformers changed the family, update vllm_sinks/testing/tiny_models.py")
+                           "transformers changed the family, update vllm_sinks/verify/tiny_models.py")
     model.save_pretrained(str(out))
 
 

@@ -25,7 +25,7 @@ VOCAB_SIZE = 512
 
 def corpus_text() -> str:
     """The training corpus (plain English prose written for this project)."""
-    return importlib.resources.files("vllm_sinks.testing").joinpath("data/corpus.txt").read_text("utf-8")
+    return importlib.resources.files("vllm_sinks.verify").joinpath("data/corpus.txt").read_text("utf-8")
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,7 +2,7 @@
 logprobs, and look inside it (which attention layers have sinks, with what values, and whether the
 layers are in the module tree).
 
-    python -m vllm_sinks.testing.inspect_transformers_model JOBS.json RESULTS.json
+    python -m vllm_sinks.verify.inspect_transformers_model JOBS.json RESULTS.json
 
 JOBS.json: ``{"jobs": [{"model": dir, "impl": "transformers"|"vllm", "dtype": "float32"|"bfloat16",
 "token_ids": [...], "max_model_len": int, "upcast_hf_rotary": bool (optional, see upcast_hf_rotary),
@@ -25,7 +25,7 @@ import re
 import sys
 from typing import Callable
 
-from vllm_sinks.testing.vllm_worker import JOB_BEGIN, JOB_END, serve_jobs
+from vllm_sinks.verify.vllm_worker import JOB_BEGIN, JOB_END, serve_jobs
 
 
 def _layer_index(prefix: str) -> int | None:
@@ -81,7 +81,7 @@ def upcast_hf_rotary(model_dir: str):
     import importlib
     import pathlib
 
-    from vllm_sinks.testing import tiny_models
+    from vllm_sinks.verify import tiny_models
 
     family = json.loads((pathlib.Path(model_dir) / "vllm_sinks_build.json").read_text())["family"]
     modeling = importlib.import_module(tiny_models.model_class(family).__module__)
@@ -204,7 +204,7 @@ def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, pytho
         run_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {}),
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         with open(log_path, "w") as log_file:
-            proc = subprocess.Popen([python, "-m", "vllm_sinks.testing.inspect_transformers_model", jobs_path,
+            proc = subprocess.Popen([python, "-m", "vllm_sinks.verify.inspect_transformers_model", jobs_path,
                                      out_path], env=run_env, stdin=subprocess.DEVNULL, stdout=log_file,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             deadline = time.monotonic() + timeout
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print("inspect_transformers_model: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (the model must live "
               "in this process to be inspected)", file=sys.stderr)
         return 2
-    return serve_jobs(argv, "vllm_sinks.testing.inspect_transformers_model", run_job)
+    return serve_jobs(argv, "vllm_sinks.verify.inspect_transformers_model", run_job)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def _kv_head_note(family: str, model_dir, layers: list[dict]) -> str:
     """Explain a backend limitation unrelated to sinks (per-layer KV head counts), if present."""
     import torch
 
-    from vllm_sinks.testing import tiny_models
+    from vllm_sinks.verify import tiny_models
 
     cls = tiny_models.model_class(family)
     with torch.device("meta"):
@@ -151,8 +151,8 @@ def _kv_head_note(family: str, model_dir, layers: list[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from vllm_sinks.patches import transformers_sinks
     from vllm_sinks.patches.registry import detect_vllm
-    from vllm_sinks.testing import differential, tiny_models
-    from vllm_sinks.testing.inspect_transformers_model import run_inspection, tp_env
+    from vllm_sinks.verify import differential, tiny_models
+    from vllm_sinks.verify.inspect_transformers_model import run_inspection, tp_env
 
     ap = argparse.ArgumentParser(prog="vllm-sinks verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", nargs="+", default=list(tiny_models.FAMILIES), choices=tiny_models.FAMILIES)
