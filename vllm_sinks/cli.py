@@ -4,6 +4,7 @@
     vllm-sinks docs [--check]    (re)write the patch table in docs/patches.md from the registry
     vllm-sinks diff [...]        differential check: vLLM prompt logprobs vs HF eager on tiny models
     vllm-sinks verify [...]      the differential check for every sink family, patch on and off
+    vllm-sinks verify --model PATH [...]   the same check on your checkpoint (HF eager reference)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     docs.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
     docs.set_defaults(func=_docs)
     for name, func, text in (("diff", _diff, "differential check vs HF eager"),
-                             ("verify", _verify, "differential check, all families, patch on/off")):
+                             ("verify", _verify, "differential check, all families (or --model PATH), patch on/off")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)

@@ -1,7 +1,10 @@
 """Verification: does vLLM, with and without vllm-sinks, give the answers Hugging Face eager gives?
 
-``vllm-sinks verify`` is the front door (:func:`main`). Its parts:
+``vllm-sinks verify`` is the front door (:func:`main`): without ``--model`` the family check, with
+``--model PATH`` the check of one checkpoint. Its parts:
 
+- ``model``: ``verify --model PATH``: the user's checkpoint, patch on / off / native vs HF eager;
+  ``model_inputs`` (its input checks, pure) and ``model_worker`` (its vLLM subprocess).
 - ``families``: every sink family's tiny model, patch on and off, native beside it; one table.
 - ``differential``: vLLM prompt logprobs vs HF eager, mean |Δ logprob| per case (``vllm-sinks diff``).
 - ``inspect_transformers_model``: the subprocess job that loads a model through the Transformers
@@ -19,7 +22,14 @@ from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``vllm-sinks verify [...]``: the family check (the only mode so far)."""
+    """``vllm-sinks verify [...]``: the family check; ``vllm-sinks verify --model PATH [...]``: one model."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--model" or a.startswith("--model=") for a in args):
+        from vllm_sinks.verify.model import main as model_main
+
+        return model_main(args)
     from vllm_sinks.verify.families import main as families_main
 
-    return families_main(argv)
+    return families_main(args)

@@ -168,9 +168,10 @@ def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM c
 
 
 def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, python: str = sys.executable,
-                   timeout: float = 900, on_result: Callable[[int, dict], None] | None = None
-                   ) -> tuple[list[dict], str]:
-    """Run ``jobs`` in one subprocess of this module; return (results, captured log).
+                   timeout: float = 900, on_result: Callable[[int, dict], None] | None = None,
+                   module: str = "vllm_sinks.verify.inspect_transformers_model") -> tuple[list[dict], str]:
+    """Run ``jobs`` in one subprocess of ``module`` (this one, or another ``serve_jobs`` worker such
+    as ``model_worker``); return (results, captured log).
 
     A job the subprocess never finished (crash, timeout) gets ``{"error": ...}`` with the log's tail.
     ``on_result(index, result)`` is called as each job finishes (the worker rewrites its results
@@ -204,8 +205,7 @@ def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, pytho
         run_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {}),
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         with open(log_path, "w") as log_file:
-            proc = subprocess.Popen([python, "-m", "vllm_sinks.verify.inspect_transformers_model", jobs_path,
-                                     out_path], env=run_env, stdin=subprocess.DEVNULL, stdout=log_file,
+            proc = subprocess.Popen([python, "-m", module, jobs_path, out_path], env=run_env, stdin=subprocess.DEVNULL, stdout=log_file,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline:

@@ -36,7 +36,7 @@ def _mark(marker: str, index: int) -> None:
     print(f"{marker} {index} pid={os.getpid()}", file=sys.stderr, flush=True)
 
 
-def _prompt_logprobs(output, token_ids: list[int]) -> list[float]:
+def prompt_logprobs(output, token_ids: list[int]) -> list[float]:
     """Logprob of token i+1 given tokens 0..i, read from vLLM's ``prompt_logprobs`` (entry 0 is None)."""
     entries = output.prompt_logprobs
     if entries is None or len(entries) != len(token_ids):
@@ -70,7 +70,7 @@ def run_job(job: dict) -> list[float]:
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         [output] = llm.generate([{"prompt_token_ids": list(job["token_ids"])}], params, use_tqdm=False)
-        return _prompt_logprobs(output, list(job["token_ids"]))
+        return prompt_logprobs(output, list(job["token_ids"]))
     finally:
         _shutdown(llm)
         del llm
