@@ -6,7 +6,8 @@ layers are in the module tree).
 
 JOBS.json: ``{"jobs": [{"model": dir, "impl": "transformers"|"vllm", "dtype": "float32"|"bfloat16",
 "token_ids": [...], "max_model_len": int, "upcast_hf_rotary": bool (optional, see upcast_hf_rotary),
-"tp": int (optional tensor parallel size; > 1 needs :func:`tp_env` in the env)}, ...]}``; one ``LLM`` per job, all in this process (vLLM is
+"tp": int (optional tensor parallel size; > 1 needs :func:`tp_env` in the env), "trust_remote_code":
+bool (optional)}, ...]}``; one ``LLM`` per job, all in this process (vLLM is
 imported once; after the first job of an architecture, vLLM's model inspection is cached, so later
 jobs start in seconds). RESULTS.json is rewritten after every job: ``{"results": [{"logprobs":
 [...], "layers": [...], "registered": bool, "seconds": s} | {"error": "...", "seconds": s}]}``.
@@ -151,7 +152,8 @@ def _merge_ranks(per_rank: list[dict]) -> dict:
 def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM classes
     tp = int(job.get("tp", 1))
     llm = LLM(model=job["model"], tokenizer=job["model"], model_impl=job["impl"], dtype=job["dtype"],
-              enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0, **tp_kwargs(tp))
+              enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0,
+              trust_remote_code=bool(job.get("trust_remote_code")), **tp_kwargs(tp))
     try:
         if job.get("upcast_hf_rotary") and tp > 1:  # the workers are other processes: patch them too
             llm.apply_model(functools.partial(_upcast_in_worker, job["model"]))

@@ -52,6 +52,8 @@ class FamilySpec:
     model_class: str  # the class we instantiate (its name is the checkpoint's ``architectures``)
     config: dict[str, Any]  # tiny overrides of the family's defaults
     causal: bool = True  # False: an encoder (token classification), not a causal LM
+    #: Classes from ``remote_sink_model`` (saved into the checkpoint, ``auto_map``) instead of transformers.
+    remote_code: bool = False
 
 
 _COMMON = dict(vocab_size=_tok.VOCAB_SIZE, pad_token_id=_tok.PAD_ID, bos_token_id=_tok.BOS_ID,
@@ -119,14 +121,30 @@ _SPECS: dict[str, FamilySpec] = {
         sliding_window=8, max_position_embeddings=131072, num_labels=5), causal=False),
 }
 
-FAMILIES: tuple[str, ...] = tuple(_SPECS)
+#: Trust-remote-code models: Llama-shaped, the sink reached where vLLM >= 0.30's AST lookup (which
+#: resolves only ``s_aux=self.<attr>``) does not look; see ``remote_sink_model``. Head dim 32.
+_REMOTE = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False)
+_SPECS.update({
+    "remote_nested_sink": FamilySpec("SinkRemoteConfig", "SinkRemoteForCausalLM",
+                                     dict(_REMOTE, sink_style="nested"), remote_code=True),
+    "remote_alias_sink": FamilySpec("SinkRemoteConfig", "SinkRemoteForCausalLM",
+                                    dict(_REMOTE, sink_style="alias"), remote_code=True),
+})
+
+#: The sink families of transformers (the family ``verify`` runs these).
+FAMILIES: tuple[str, ...] = tuple(name for name, spec in _SPECS.items() if not spec.remote_code)
+#: Tiny models that load only with ``trust_remote_code`` (their modeling file is in the checkpoint).
+REMOTE_CODE_MODELS: tuple[str, ...] = tuple(name for name, spec in _SPECS.items() if spec.remote_code)
+#: Name of the modeling file in a remote-code checkpoint (``auto_map`` points into it).
+REMOTE_MODELING_FILE = "modeling_vllm_sinks_remote.py"
 
 
 def _spec(family: str) -> FamilySpec:
     try:
         return _SPECS[family]
     except KeyError:
-        raise ValueError(f"unknown sink family {family!r}; known: {', '.join(FAMILIES)}") from None
+        raise ValueError(f"unknown sink family {family!r}; known: {', '.join(_SPECS)}") from None
 
 
 def canonical_dtype(dtype: str) -> str:
@@ -137,18 +155,25 @@ def canonical_dtype(dtype: str) -> str:
     return _DTYPE_ALIASES[key]
 
 
-def _transformers_class(name: str):
-    import transformers
+def _transformers_class(name: str, remote_code: bool = False):
+    if remote_code:
+        from vllm_sinks.verify import remote_sink_model as namespace
+    else:
+        import transformers as namespace
 
-    return getattr(transformers, name, None)
+    return getattr(namespace, name, None)
+
+
+def needs_remote_code(family: str) -> bool:
+    return _spec(family).remote_code
 
 
 def family_available(family: str) -> bool:
     """True when the installed transformers has this family's config and model classes."""
     spec = _spec(family)
     try:
-        return (_transformers_class(spec.config_class) is not None
-                and _transformers_class(spec.model_class) is not None)
+        return (_transformers_class(spec.config_class, spec.remote_code) is not None
+                and _transformers_class(spec.model_class, spec.remote_code) is not None)
     except ImportError:  # transformers not installed, or the lazy module fails to import
         return False
 
@@ -156,7 +181,7 @@ def family_available(family: str) -> bool:
 def model_class(family: str):
     """The transformers class a family's tiny model is built from (and loads with)."""
     spec = _spec(family)
-    cls = _transformers_class(spec.model_class)
+    cls = _transformers_class(spec.model_class, spec.remote_code)
     if cls is None:
         raise RuntimeError(f"transformers {_transformers_version()} has no {spec.model_class} ({family})")
     return cls
@@ -177,7 +202,7 @@ def _builder_hash() -> str:
     # Anything that changes the bytes we write: this file, the tokenizer code and its corpus.
     h = hashlib.sha256()
     here = pathlib.Path(__file__).parent
-    for name in ("tiny_models.py", "tokenizer.py", "data/corpus.txt"):
+    for name in ("tiny_models.py", "remote_sink_model.py", "tokenizer.py", "data/corpus.txt"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 
@@ -226,9 +251,14 @@ def _build_fp32(family: str, seed: int, out: pathlib.Path) -> None:
     import torch
 
     spec = _spec(family)
-    cfg_cls, cls = _transformers_class(spec.config_class), model_class(family)
+    cfg_cls, cls = _transformers_class(spec.config_class, spec.remote_code), model_class(family)
     config = cfg_cls(**_COMMON, **spec.config)
     config.architectures = [spec.model_class]
+    if spec.remote_code:
+        from vllm_sinks.verify.remote_sink_model import AUTO_CLASSES
+
+        module = REMOTE_MODELING_FILE.removesuffix(".py")
+        config.auto_map = {auto: f"{module}.{name}" for auto, name in AUTO_CLASSES.items()}
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     if _draw_sinks(model, seed) == 0:
@@ -268,6 +298,10 @@ def tiny_model(family: str, dtype: str = "float32", *, cache_dir: str | os.PathL
             else:
                 _build_from_fp32(family, dtype, fp32_dir, tmp)
         _tok.save_tokenizer(tmp)
+        if _spec(family).remote_code:
+            from vllm_sinks.verify import remote_sink_model
+
+            shutil.copyfile(remote_sink_model.__file__, tmp / REMOTE_MODELING_FILE)
         (tmp / "vllm_sinks_build.json").write_text(json.dumps(dict(
             family=family, dtype=dtype, seed=seed, transformers=_transformers_version(),
             builder=_builder_hash(), sink_std=SINK_STD, init_std=INIT_STD), indent=1))
