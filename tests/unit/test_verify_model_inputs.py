@@ -196,3 +196,21 @@ def test_table_rows():
     assert table[4].startswith("| native | vllm | float32 | error | — | — | — |")
     assert vm.sinks_cell(_run(sink_layers=[]), set()) == "none / none"
     assert vm.sinks_cell(_run(sink_layers=[3]), None) == "1 / ? (no safetensors)"
+
+
+def _plan(tmp_path, runs, sink_layers):
+    cp = mi.Checkpoint(params=10, sink_names=[f"model.layers.{i}.self_attn.sinks" for i in sorted(sink_layers)],
+                       sink_layers=set(sink_layers))
+    return vm.ModelPlan("m", tmp_path, "LlamaForCausalLM", "float32", "float32", "the model's own dtype", "cpu", cp,
+                        ["a b"], [[1, 5, 6]], 128, 4, False, 1, runs)
+
+
+def test_report_says_no_sinks_and_exit_follows_the_patch_on_run(tmp_path):
+    on, off = _run(verdict="ok", sink_layers=[]), _run("patch off", verdict="FAIL: x", sink_layers=[])
+    plan = _plan(tmp_path, [on, off], set())
+    text = vm.report(plan, "vLLM x")
+    assert vm.NO_SINKS in text and "no native vLLM class for LlamaForCausalLM" in text
+    assert not vm.failed(plan)  # patch off failing is what the tool is there to show
+    on.verdict = "FAIL: sinks dropped"
+    assert vm.failed(plan)
+    assert vm.sinks_line(_plan(tmp_path, [on], {0, 3})).startswith("sinks in the checkpoint: 2 tensors in 2 layers (0, 3)")
