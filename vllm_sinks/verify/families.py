@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             row.verdict = verdict(row, bf16_sink_kernel=bf16_kernel, guard=GUARDED.get(row.family),
                                   guard_reachable=era == "mla",
                                   unreachable_why=GUARD_UNREACHABLE.get(era, "stops before attention runs here"), may_not_load=MAY_NOT_LOAD.get(row.family))
-    mode = ("patch forced on (upstream has its own fix; plugin default stands down)"
+    mode = ("patch forced on (SinkFuser for every model; auto leaves the sinks upstream resolves to upstream)"
             if era == "upstream-fix" else "patch applied by default")
     print(f"\nvllm-sinks verify: {differential.environment_line()}; TP={args.tp}; {mode}; HF eager fp32 reference; "
           f"{'bf16-only' if bf16_kernel else 'native-dtype'} sinks in the CPU kernel; "
