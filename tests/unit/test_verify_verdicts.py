@@ -1,5 +1,7 @@
 """`vllm-sinks verify`'s verdicts and table (pure Python: the engine runs are not needed for these)."""
 
+import pytest
+
 from vllm_sinks.verify.families import Row, format_table, verdict
 
 
@@ -76,3 +78,22 @@ def test_table_shows_every_column():
     assert table[2] == "| gpt_oss | float32 | 2.4e-04 | 0.3300 | — | 2/2 | ok |"
     assert table[3] == "| gpt_oss | bfloat16 | 0.0649 (0.0248 fp32 rotary) | — | 0.0254 | — | ok |"
     assert table[4] == "| hy_v4 | float32 | error | — | — | — | ok: refused by the MLA sink guard |"
+
+
+def test_a_row_measured_on_another_tiny_model_names_it():
+    row = Row("gpt_oss", "bfloat16", on=0.057, native=0.034, verdict="ok", model="gpt_oss_hd64")
+    assert format_table([row]).splitlines()[2].startswith("| gpt_oss (gpt_oss_hd64) | bfloat16 | 0.0570 |")
+
+
+def test_bf16_rows_use_the_real_checkpoints_attention_shapes():
+    pytest.importorskip("transformers")
+    from vllm_sinks.verify import tiny_models
+
+    assert tiny_models.REALISTIC_SHAPES == {"gpt_oss": "gpt_oss_hd64"}
+    config = tiny_models._spec("gpt_oss_hd64").config
+    assert (config["head_dim"], config["sliding_window"]) == (64, 128)
+    assert config["rope_parameters"] == dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                             truncate=False, original_max_position_embeddings=4096,
+                                             rope_theta=150000.0)
+    assert tiny_models.model_class("gpt_oss_hd64") is tiny_models.model_class("gpt_oss")
+    assert not set(tiny_models.FAMILIES) & {"gpt_oss_hd64", *tiny_models.REMOTE_CODE_MODELS}

@@ -103,13 +103,13 @@ def applied():
     if (fuser := transformers_sinks._upstream_attention_fuser()) is not None:
         slots += [(fuser, "fuse"), (fuser, "sinks")]
     before = {(id(o), a): getattr(o, a, None) for o, a in slots}
-    dtype_before = ours.SinkDtype.override
+    dtype_before, per_model_before = ours.SinkDtype.override, ours.SinkOwnership.per_model
     transformers_sinks.apply(INFO)
     yield
     for owner, attr in slots:
         if getattr(owner, attr, None) is not before[(id(owner), attr)]:
             setattr(owner, attr, before[(id(owner), attr)])
-    ours.SinkDtype.override = dtype_before
+    ours.SinkDtype.override, ours.SinkOwnership.per_model = dtype_before, per_model_before
 
 
 # ---- materialization ------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def test_the_vllm_mla_interface_refuses_every_sink(applied):
 def test_probe_names_the_era_of_this_vllm():
     probe = transformers_sinks.probe(INFO)
     if INFO.at_least("0.30"):
-        assert (ERA, probe.applies) == ("upstream-fix", False) and "≥0.30" in probe.reason
+        assert (ERA, probe.applies) == ("upstream-fix", True) and "per model" in probe.reason
     elif INFO.at_least("0.28"):
         assert (ERA, probe.applies) == ("mla", True) and "vllm_mla" in probe.reason
     else:
@@ -291,8 +291,7 @@ def test_the_registry_running_it_twice_does_not_stack(applied):
     patch = next(p for p in PATCHES if p.name == PATCH)
     first, installed = patch.run(INFO), upstream_base.Base.recursive_replace
     second = patch.run(INFO)
-    expected = registry.Status.STOOD_DOWN if ERA == "upstream-fix" else registry.Status.APPLIED
-    assert first.status is second.status is expected, (first, second)
+    assert first.status is second.status is registry.Status.APPLIED, (first, second)
     assert upstream_base.Base.recursive_replace is installed
     assert install.patched_by(install.original(installed)) is None
 
@@ -313,3 +312,65 @@ def test_forced_on_the_fuser_finds_a_sink_the_ast_lookup_misses(applied):
     assert fuser.fuse(module, "layers.0.self_attn", config) is module
     sink = fuser.sinks(module)
     assert sink is module.holder.head_logit and sink.shape == (4,) and hasattr(sink, "weight_loader")
+
+
+# ---- vLLM >= 0.30, auto: per model, the SinkFuser only where the AST lookup misses ---------------
+
+
+class SelfSinkAttention(SyntheticAttention):
+    """``s_aux=self.sinks``: what upstream's AST lookup resolves."""
+
+    def __init__(self, layer_idx=0, heads=8, head_dim=4):
+        super().__init__(layer_idx, heads, head_dim, with_sink=False)
+        self.sinks = nn.Parameter(torch.randn(heads))
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (p(hidden_states).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        out, _ = interface(self, q, k, v, attention_mask, scaling=self.scaling, s_aux=self.sinks, **kwargs)
+        return out, None
+
+
+def test_auto_mode_is_per_model_from_the_env(applied, monkeypatch):
+    if ERA != "upstream-fix":
+        assert not ours.SinkOwnership.per_model  # 0.27-0.29: the SinkFuser serves every module
+        return
+    assert ours.SinkOwnership.per_model and "per model" in transformers_sinks.apply(INFO)
+    monkeypatch.setenv("VLLM_SINKS_TRANSFORMERS_SINKS", "on")
+    assert "every model" in transformers_sinks.apply(INFO) and not ours.SinkOwnership.per_model
+
+
+@pytest.mark.skipif(ERA != "upstream-fix", reason="AttentionFuser exists from vLLM 0.30")
+def test_auto_takes_over_only_the_sinks_upstream_misses(applied, caplog):
+    fuser_cls = transformers_sinks._upstream_attention_fuser()
+    backend = FakeBackend()
+    backend.config = types.SimpleNamespace(architectures=["TinyForCausalLM"])
+    missed, found, none = SyntheticAttention(0), SelfSinkAttention(1), SyntheticAttention(2, with_sink=False)
+    backend.model.layers = nn.ModuleList([missed, found, none])
+    upstream_sink = found.sinks
+    with caplog.at_level("INFO", logger="vllm_sinks"):
+        verdicts = ours.take_over_missed_sinks(backend, fuser_cls)
+    owners = {name: (cls, v.owner, v.has_sink) for name, (cls, v) in verdicts.items()}
+    assert owners == {"layers.0": ("SyntheticAttention", "vllm-sinks", True),
+                      "layers.1": ("SelfSinkAttention", "upstream", True),
+                      "layers.2": ("SyntheticAttention", "upstream", False)}
+    line = next(r.getMessage() for r in caplog.records if "TinyForCausalLM" in r.getMessage())
+    assert ("1 SyntheticAttention layer served by vllm-sinks (SinkFuser): upstream's AST lookup finds no "
+            "parameter in `s_aux=sink`") in line
+    assert "1 SelfSinkAttention layer served by upstream: upstream's AST lookup resolved `s_aux=self.sinks`" in line
+
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+                                   model_config=types.SimpleNamespace(dtype=torch.bfloat16),
+                                   device_config=types.SimpleNamespace(device="cpu"))
+    served = {}
+    for module in (missed, found, none):
+        fuser = fuser_cls.match(None, module)
+        assert fuser.fuse(module, "layers.x.self_attn", config) is module
+        served[module] = fuser.sinks(module)
+    # Ours: the nested sink, materialized in the model dtype. Upstream's: upstream's own parameter
+    # (its fuse keeps the checkpoint's dtype, fp32 here), not ours.
+    assert served[missed] is missed.holder.head_logit and served[missed].dtype == torch.bfloat16
+    assert served[found] is found.sinks and served[found] is not upstream_sink
+    assert served[found].dtype == torch.float32 and hasattr(served[found], "weight_loader")
+    assert served[none] is None

@@ -105,7 +105,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.model_executor.models.transformers.base.Base.recursive_replace",
             "vllm.model_executor.models.transformers.base.Base.create_attention_instances",
             "transformers ALL_ATTENTION_FUNCTIONS['vllm'] and ['vllm_mla'] (vLLM's attention interfaces)",
-            "vllm.model_executor.models.transformers.fusers.AttentionFuser.fuse / .sinks (0.30+, opt-in)",
+            "vllm.model_executor.models.transformers.fusers.AttentionFuser.fuse / .sinks (0.30+: per model)",
         ),
         fork="vllm_sinks/model_executor/models/transformers/base.py",
         upstream_pr=(
@@ -133,13 +133,15 @@ PATCHES: tuple[Patch, ...] = (
             "arrived and registers the layers in an `nn.ModuleList` (`attention_layers`, replacing "
             "`_vllm_mla_attn`). The `vllm` interface raises when a module passes a sink its layer lacks; "
             "`vllm_mla` raises on any sink (no vLLM MLA backend applies them), as does an MLA layer "
-            "with a sink at construction. 0.30+: stands down (upstream's fix); `=on` swaps "
-            "AttentionFuser's AST lookup for the SinkFuser (nested owners, non-`self.x` expressions)."
+            "with a sink at construction. 0.30+ (upstream's AST lookup resolves only `s_aux=self.<attr>`): "
+            "per model at load, upstream keeps every module whose sink it resolves and the SinkFuser "
+            "serves those it misses or refuses (a nested owner, a local alias), one log line per model "
+            "saying who served its sinks and why; `=on` gives every module to the SinkFuser."
         ),
         remove_when=(
             "The supported range starts at 0.30 or later (upstream passes sinks and guards its "
-            "interfaces); the 0.30+ opt-in can go once upstream resolves s_aux through the graph "
-            "rather than `self.<attr>` source expressions."
+            "interfaces) and upstream resolves s_aux through the graph rather than `self.<attr>` "
+            "source expressions (auto mode then leaves every model to upstream)."
         ),
         hooks="vllm_sinks.patches.transformers_sinks",
         # The package, not `.base`: its __init__ imports base and then registers the attention

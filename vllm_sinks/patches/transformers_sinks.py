@@ -8,8 +8,11 @@ Eras, told apart by feature (not by version number):
 * **0.28-0.29**: the same, plus the MLA path (a ``vllm_mla`` interface, MLA layers registered through
   ``module._vllm_mla_attn``). -> patched.
 * **0.30-0.33**: upstream's ``AttentionFuser`` reads ``s_aux=`` from the forward's source (AST) and
-  passes ``sinks=``; its interfaces check sinks. -> stand down; ``VLLM_SINKS_TRANSFORMERS_SINKS=on``
-  swaps the AST lookup for the SinkFuser (nested owners, any attribute name, per-instance None).
+  passes ``sinks=``; its interfaces check sinks. It resolves only ``s_aux=self.<attr>``. -> auto
+  mode decides per model at load (``sink_owner``): upstream keeps every module whose sink it
+  resolves; the SinkFuser serves those it misses or refuses (a sink on a nested submodule, bound to
+  a local, in a buffer), and one log line per model says who served its sinks and why.
+  ``VLLM_SINKS_TRANSFORMERS_SINKS=on`` gives every module to the SinkFuser.
 """
 
 from __future__ import annotations
@@ -72,6 +75,26 @@ def _upstream_attention_fuser():
     return AttentionFuser
 
 
+def _check_lookup_seam(fuser: type) -> None:
+    """What auto mode asks upstream's lookup, per module: ``match(graph, module)`` -> a fuser whose
+    ``s_aux_expr`` is the source it read and whose ``sinks(module)`` resolves it."""
+    for name in ("fuse", "sinks"):
+        if name not in fuser.__dict__:
+            raise Drift(f"AttentionFuser.{name} not found")
+    match = getattr(fuser, "match", None)
+    if not callable(match) or list(inspect.signature(match).parameters)[:2] != ["graph", "module"]:
+        raise Drift("AttentionFuser.match(graph, module) not found")
+    fields = getattr(fuser, "__dataclass_fields__", {})
+    if "s_aux_expr" not in fields:
+        raise Drift("AttentionFuser no longer keeps the s_aux expression it read (s_aux_expr)")
+
+
+def _mode():
+    from vllm_sinks.patches import PATCHES
+
+    return next(p for p in PATCHES if p.name == PATCH).mode()
+
+
 def _check_method(cls: type, name: str) -> Any:
     fn = cls.__dict__.get(name)
     if fn is None or not callable(fn):
@@ -100,9 +123,7 @@ def _era(info: VllmInfo) -> str:
     package, base = _upstream()
     fuser = _upstream_attention_fuser()
     if fuser is not None and callable(getattr(fuser, "sinks", None)):
-        for name in ("fuse", "sinks"):
-            if name not in fuser.__dict__:
-                raise Drift(f"AttentionFuser.{name} not found")
+        _check_lookup_seam(fuser)
         return "upstream-fix"
     create = _check_method(base.Base, "create_attention_instances")
     _check_method(base.Base, "recursive_replace")
@@ -138,8 +159,8 @@ def _cpu_kernel_needs_bf16_sinks() -> bool:
 def probe(info: VllmInfo) -> Probe:
     era = _era(info)
     if era == "upstream-fix":
-        return Probe(False, "upstream hands s_aux to Attention itself (AST-based AttentionFuser, "
-                            "vLLM ≥0.30)")
+        return Probe(True, "vLLM ≥0.30's AST lookup resolves only s_aux=self.<attr>: per model at load, "
+                           "the SinkFuser serves the sinks it misses or refuses, upstream the rest")
     if era == "mla":
         return Probe(True, "vLLM 0.28-0.29 backend drops s_aux (vllm and vllm_mla interfaces)")
     return Probe(True, "vLLM 0.27 backend drops s_aux (vllm interface)")
@@ -157,10 +178,16 @@ def apply(info: VllmInfo) -> str:
         ours.SinkDtype.override = torch.bfloat16
     dtype_note = "; CPU kernel: sinks in bf16" if ours.SinkDtype.override is torch.bfloat16 else ""
     if era == "upstream-fix":
+        from vllm_sinks.patches.registry import Mode
+
         fuser = _upstream_attention_fuser()
         install.install(fuser, "fuse", ours.attention_fuser_fuse, PATCH)
         install.install(fuser, "sinks", ours.attention_fuser_sinks, PATCH)
-        return "SinkFuser replaces AttentionFuser's AST sink lookup" + dtype_note
+        ours.SinkOwnership.per_model = _mode() is not Mode.ON
+        if ours.SinkOwnership.per_model:
+            return ("per model at load: SinkFuser for sinks AttentionFuser's AST lookup misses or "
+                    "refuses, upstream for the rest" + dtype_note)
+        return "SinkFuser replaces AttentionFuser's AST sink lookup for every model" + dtype_note
     install.install(upstream_base.Base, "create_attention_instances", ours.create_attention_instances, PATCH)
     guarded = ["vllm"]
     install.install(_MappingSlots(_interface_mapping("vllm")), "vllm", ours.vllm_attention_forward, PATCH)

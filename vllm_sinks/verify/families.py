@@ -66,6 +66,7 @@ class Row:
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
     note: str = ""
     verdict: str = ""
+    model: str = ""  # the tiny model measured, where not the family's own (bf16: real attention shapes)
 
 
 def guard_refused(error: str, module_class: str) -> bool:
@@ -118,10 +119,11 @@ def format_table(rows: Sequence[Row]) -> str:
     lines = ["| family | dtype | patch on | patch off | native vLLM | sinks in vLLM | verdict |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
+        family = f"{r.family} ({r.model})" if r.model and r.model != r.family else r.family
         on = _fmt(r.on, r.errors.get("on"))
         if r.control is not None:
             on += f" ({_fmt(r.control)} fp32 rotary)"
-        lines.append(f"| {r.family} | {r.dtype} | {on} | {_fmt(r.off, r.errors.get('off'))} | "
+        lines.append(f"| {family} | {r.dtype} | {on} | {_fmt(r.off, r.errors.get('off'))} | "
                      f"{_fmt(r.native, r.errors.get('native'))} | {r.sinks or '—'} | {r.verdict} |")
     return "\n".join(lines)
 
@@ -179,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def add(row: Row, setting: str, impl: str, **extra) -> None:
         key = (row.family, row.dtype)
         if key not in dirs:
-            dirs[key] = tiny_models.tiny_model(row.family, row.dtype)
+            dirs[key] = tiny_models.tiny_model(row.model or row.family, row.dtype)
             refs[key] = differential.hf_prompt_logprobs(dirs[key], "float32")
         ids = refs[key][0]
         job = dict(model=str(dirs[key]), impl=impl, dtype=row.dtype, token_ids=ids,
@@ -199,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             add(row, "off", "transformers")
         native = tiny_models.model_class(family).__name__ in native_archs
         if not args.no_bf16 and family in ("gpt_oss", "granite_swa"):
-            brow = Row(family, "bfloat16")
+            brow = Row(family, "bfloat16", model=tiny_models.REALISTIC_SHAPES.get(family, family))
             rows.append(brow)
             add(brow, "on", "transformers")
             add(brow, "off", "transformers")
@@ -246,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             row.verdict = verdict(row, bf16_sink_kernel=bf16_kernel, guard=GUARDED.get(row.family),
                                   guard_reachable=era == "mla",
                                   unreachable_why=GUARD_UNREACHABLE.get(era, "stops before attention runs here"), may_not_load=MAY_NOT_LOAD.get(row.family))
-    mode = ("patch forced on (upstream has its own fix; plugin default stands down)"
+    mode = ("patch forced on (SinkFuser for every model; auto leaves the sinks upstream resolves to upstream)"
             if era == "upstream-fix" else "patch applied by default")
     print(f"\nvllm-sinks verify: {differential.environment_line()}; TP={args.tp}; {mode}; HF eager fp32 reference; "
           f"{'bf16-only' if bf16_kernel else 'native-dtype'} sinks in the CPU kernel; "

@@ -54,6 +54,8 @@ class FamilySpec:
     causal: bool = True  # False: an encoder (token classification), not a causal LM
     #: Classes from ``remote_sink_model`` (saved into the checkpoint, ``auto_map``) instead of transformers.
     remote_code: bool = False
+    #: The family this is a shape variant of (same classes, other sizes); None for a family itself.
+    variant_of: str | None = None
 
 
 _COMMON = dict(vocab_size=_tok.VOCAB_SIZE, pad_token_id=_tok.PAD_ID, bos_token_id=_tok.BOS_ID,
@@ -132,8 +134,19 @@ _SPECS.update({
                                     dict(_REMOTE, sink_style="alias"), remote_code=True),
 })
 
+#: Attention shaped like the real checkpoints' (gpt-oss-20b / 120b: head dim 64, YaRN factor 32 on
+#: theta 150000, sliding window 128 on alternate layers), everything else tiny: the bf16 rows of
+#: ``verify`` are measured on these (bf16 rounding depends on head dim and rotary frequencies, which
+#: the 32-wide tiny GPT-OSS does not share with the real ones).
+_SPECS["gpt_oss_hd64"] = FamilySpec("GptOssConfig", "GptOssForCausalLM", dict(
+    _SPECS["gpt_oss"].config, hidden_size=128, head_dim=64, sliding_window=128,
+    rope_parameters=dict(GPT_OSS_ROPE)), variant_of="gpt_oss")
+
 #: The sink families of transformers (the family ``verify`` runs these).
-FAMILIES: tuple[str, ...] = tuple(name for name, spec in _SPECS.items() if not spec.remote_code)
+FAMILIES: tuple[str, ...] = tuple(name for name, spec in _SPECS.items()
+                                  if not spec.remote_code and spec.variant_of is None)
+#: Family -> its tiny model with real-checkpoint attention shapes (``verify``'s bf16 rows).
+REALISTIC_SHAPES: dict[str, str] = {spec.variant_of: name for name, spec in _SPECS.items() if spec.variant_of}
 #: Tiny models that load only with ``trust_remote_code`` (their modeling file is in the checkpoint).
 REMOTE_CODE_MODELS: tuple[str, ...] = tuple(name for name, spec in _SPECS.items() if spec.remote_code)
 #: Name of the modeling file in a remote-code checkpoint (``auto_map`` points into it).

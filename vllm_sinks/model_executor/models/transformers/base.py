@@ -44,6 +44,7 @@ from vllm_sinks.model_executor.models.transformers.fusers.sink import (
     AttentionSite,
     SinkSite,
 )
+from vllm_sinks.model_executor.models.transformers import sink_owner
 from vllm_sinks.patches import install
 
 logger = logging.getLogger("vllm_sinks")
@@ -90,9 +91,46 @@ def discover_sinks(model: nn.Module) -> dict[str, AttentionSite]:
     return sites
 
 
+class SinkOwnership:
+    """How the patch shares sinks with upstream's own lookup (vLLM >= 0.30; the patch module sets it).
+
+    ``per_model`` False: the SinkFuser serves every attention module (0.27-0.29, and ``=on``). True
+    (auto mode on 0.30+): upstream keeps every module its AST lookup serves; the SinkFuser serves
+    only those whose sink upstream misses or refuses (``sink_owner``), decided per model at load.
+    """
+
+    per_model: bool = False
+
+
+def take_over_missed_sinks(self, fuser_cls: type) -> dict[str, tuple[str, sink_owner.Verdict]]:
+    """Per module of ``self.model`` that upstream's ``fuser_cls`` (``AttentionFuser``) matches: who
+    serves its sink. Modules ours serve get their site remembered (the fuser hooks then serve them);
+    the rest are left to upstream. Logs one line for the model; returns {name: (class, verdict)}."""
+    verdicts = {}
+    for name, module in self.model.named_modules():
+        lookup = sink_owner.upstream_lookup(fuser_cls, module)
+        if lookup is None:
+            continue
+        site = None
+        if not lookup.found and sink_owner.names_sink_keyword(module):
+            site = SINK_FUSER.find(module)  # traced only where upstream did not find a parameter
+        verdict = sink_owner.decide(lookup, site)
+        if verdict.owner == sink_owner.OURS:
+            _SITES[module] = site
+        verdicts[name] = (type(module).__name__, verdict)
+    model = (getattr(self.config, "architectures", None) or [type(self.model).__name__])[0]
+    logger.info("vllm-sinks: %s", sink_owner.summary(model, verdicts))
+    return verdicts
+
+
 def recursive_replace(self) -> None:
     """Replacement of ``Base.recursive_replace``: find the sinks first, then upstream's replacement."""
-    discover_sinks(self.model)
+    if SinkOwnership.per_model:
+        from vllm.model_executor.models.transformers.fusers import AttentionFuser
+
+        take_over_missed_sinks(self, AttentionFuser)
+    else:
+        discover_sinks(self.model)
     return install.original(recursive_replace)(self)
 
 
@@ -304,13 +342,16 @@ def vllm_mla_attention_forward(module: nn.Module, query, kv_c_normed, k_pe, atte
                                                         **kwargs)
 
 
-# ---- vLLM >= 0.30 (opt-in): AttentionFuser's sinks from the SinkFuser ---------------------------
+# ---- vLLM >= 0.30: AttentionFuser's sinks from the SinkFuser (all with =on; auto: what it missed) --
 
 
 def attention_fuser_sinks(self, module: nn.Module) -> nn.Parameter | None:
-    """Replacement of ``AttentionFuser.sinks``: the sink the SinkFuser found (materialized by fuse)."""
+    """Replacement of ``AttentionFuser.sinks``: the sink the SinkFuser found (materialized by fuse);
+    upstream's own answer for a module the SinkFuser does not serve (auto mode: upstream's)."""
     site = _SITES.get(module)
-    if site is None or site.sink is None:
+    if site is None:
+        return install.original(attention_fuser_sinks)(self, module)
+    if site.sink is None:
         return None
     sink = site.sink.tensor(module)
     if not hasattr(sink, "weight_loader"):
@@ -320,9 +361,12 @@ def attention_fuser_sinks(self, module: nn.Module) -> nn.Parameter | None:
 
 
 def attention_fuser_fuse(self, module: nn.Module, prefix: str, vllm_config: Any) -> nn.Module:
-    """Replacement of ``AttentionFuser.fuse``: materialize the SinkFuser's sink, whatever its name."""
+    """Replacement of ``AttentionFuser.fuse``: materialize the SinkFuser's sink, whatever its name;
+    upstream's own fuse for a module the SinkFuser does not serve (auto mode: upstream's)."""
     site = _SITES.get(module)
-    if site is not None and site.sink is not None:
+    if site is None:
+        return install.original(attention_fuser_fuse)(self, module, prefix, vllm_config)
+    if site.sink is not None:
         materialize_sink(module, site.sink, tp_size=vllm_config.parallel_config.tensor_parallel_size,
                          dtype=SinkDtype.override or vllm_config.model_config.dtype,
                          device=vllm_config.device_config.device)
