@@ -214,3 +214,12 @@ def test_report_says_no_sinks_and_exit_follows_the_patch_on_run(tmp_path):
     on.verdict = "FAIL: sinks dropped"
     assert vm.failed(plan)
     assert vm.sinks_line(_plan(tmp_path, [on], {0, 3})).startswith("sinks in the checkpoint: 2 tensors in 2 layers (0, 3)")
+
+
+def test_the_patch_report_lines_are_picked_from_the_log():
+    log = ("INFO [vllm-sinks] vllm-sinks 0.1.0 in pid 42 (EngineCore), vLLM 0.29.0: transformers-sinks armed (x)\n"
+           "INFO [vllm-sinks] transformers-sinks applied (SinkFuser) (on import of m, 1 ms) [pid 42, EngineCore]\n"
+           "INFO [base.py:122] [vllm-sinks] vllm-sinks: transformers-sinks: /m: sinks of 2 A layers served by upstream\n")
+    assert [m[1] for m in vm._PATCH_LINE.finditer(log)] == [
+        "transformers-sinks applied (SinkFuser) (on import of m, 1 ms)",
+        "transformers-sinks: /m: sinks of 2 A layers served by upstream"]

@@ -300,7 +300,9 @@ def hf_reference(model_dir: pathlib.Path, token_ids: Sequence[Sequence[int]], dt
 
 # ---- the vLLM runs ------------------------------------------------------------------------------
 
-_PATCH_LINE = re.compile(r"\[vllm-sinks\] (transformers-sinks .*?)(?: \[pid \d+[^\]]*\])?$", re.M)
+#: The transformers-sinks patch's own lines (applied / stood down, and on vLLM >= 0.30 the per-model
+#: "who served its sinks"), not the startup line that lists every patch.
+_PATCH_LINE = re.compile(r"(?:\[vllm-sinks\] |vllm-sinks: )(transformers-sinks[: ].*?)(?: \[pid \d+[^\]]*\])?$", re.M)
 
 
 def _env_for(name: str) -> str:
