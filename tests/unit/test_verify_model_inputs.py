@@ -223,3 +223,16 @@ def test_the_patch_report_lines_are_picked_from_the_log():
     assert [m[1] for m in vm._PATCH_LINE.finditer(log)] == [
         "transformers-sinks applied (SinkFuser) (on import of m, 1 ms)",
         "transformers-sinks: /m: sinks of 2 A layers served by upstream"]
+
+
+def test_per_model_patch_lines_go_to_their_own_model(tmp_path):
+    from vllm_sinks.verify.vllm_worker import JOB_BEGIN, JOB_END
+
+    a, b = _plan(tmp_path, [], set()), _plan(tmp_path, [], set())
+    log = (f"[vllm-sinks] transformers-sinks applied (per model) [pid 1, E]\n{JOB_BEGIN} 0 pid=1\n"
+           f"[vllm-sinks] vllm-sinks: transformers-sinks: A: served by upstream\n{JOB_END} 0 pid=1\n"
+           f"{JOB_BEGIN} 1 pid=1\n[vllm-sinks] vllm-sinks: transformers-sinks: B: served by vllm-sinks\n"
+           f"{JOB_END} 1 pid=1\n")
+    vm._attribute_patch_lines("on", [(a, None, {}), (b, None, {})], log)
+    assert a.patch_lines["on"] == ["transformers-sinks applied (per model)", "transformers-sinks: A: served by upstream"]
+    assert b.patch_lines["on"] == ["transformers-sinks applied (per model)", "transformers-sinks: B: served by vllm-sinks"]

@@ -116,6 +116,15 @@ def test_patch_off_fails_where_upstream_drops_the_sinks(checked):
 
 
 @pytest.mark.slow
+def test_each_model_reports_only_its_own_patch_line(checked):
+    for plan in checked.values():
+        own = [line for line in plan.patch_lines["on"] if line.startswith("transformers-sinks: ")]
+        assert all(f": {plan.arch}: " in line for line in own), (plan.arch, own)
+        if _era() == "upstream-fix":  # auto mode decides per model and says who served the sinks
+            assert len(own) == 1, (plan.arch, plan.patch_lines)
+
+
+@pytest.mark.slow
 def test_a_model_without_sinks_runs_and_says_so(checked):
     plan = checked["no_sinks"]
     assert vm.sinks_line(plan) == vm.NO_SINKS

@@ -346,9 +346,7 @@ def run_plans(plans: Sequence[ModelPlan], *, python: str = sys.executable, bf16_
         _, log = run_inspection([job for _, _, job in batch], env={**envs[name], **extra_env}, python=python,
                                 timeout=max(900.0, 600.0 * len(batch)), module="vllm_sinks.verify.model_worker",
                                 on_result=lambda i, r, batch=batch: finished(batch, i, r))
-        lines = list(dict.fromkeys(m[1] for m in _PATCH_LINE.finditer(log)))
-        for plan in {id(p): p for p, _, _ in batch}.values():
-            plan.patch_lines[name] = lines
+        _attribute_patch_lines(name, batch, log)
 
     for plan in plans:
         native = next((r for r in plan.runs if r.name == "native" and r.error is None), None)
@@ -356,6 +354,23 @@ def run_plans(plans: Sequence[ModelPlan], *, python: str = sys.executable, bf16_
             run.verdict = verdict(run, wanted=plan.wanted, reference=plan.reference,
                                   native_mean=native.mean_abs_delta if native else None,
                                   bf16_sink_kernel=bf16_sink_kernel and plan.device == "cpu")
+
+
+def _attribute_patch_lines(env: str, batch: Sequence[tuple[ModelPlan, Run, dict]], log: str) -> None:
+    """Give each plan the patch's process-wide lines (applied / stood down) and the per-model lines
+    ("transformers-sinks: <model>: ...") logged while its own jobs ran."""
+    from vllm_sinks.verify.differential import _job_sections
+
+    def found(text: str) -> list[str]:
+        return [m[1] for m in _PATCH_LINE.finditer(text)]
+
+    per_model = "transformers-sinks: "
+    shared = [line for line in found(log) if not line.startswith(per_model)]
+    spans = _job_sections(log)
+    for i, (plan, _, _) in enumerate(batch):
+        start, end = spans.get(i, (0, 0))
+        own = [line for line in found(log[start:end]) if line.startswith(per_model)]
+        plan.patch_lines[env] = list(dict.fromkeys(shared + plan.patch_lines.get(env, []) + own))
 
 
 def _fill(run: Run, plan: ModelPlan, result: dict) -> None:
