@@ -30,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_sinks.verify.model import main as model_main
 
         return model_main(args)
+    if "-h" in args or "--help" in args:
+        print("vllm-sinks verify --model PATH [...]: the same check on your own checkpoint "
+              "(`vllm-sinks verify --model PATH --help` lists its options)\n")
     from vllm_sinks.verify.families import main as families_main
 
     return families_main(args)

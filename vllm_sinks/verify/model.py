@@ -436,7 +436,7 @@ def failed(plan: ModelPlan) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vllm-sinks verify --model", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="vllm-sinks verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, metavar="PATH",
                     help="checkpoint directory, or a hub id already in the local HF cache (no download)")
     ap.add_argument("--trust-remote-code", action="store_true", help="run the checkpoint's own modeling code")
