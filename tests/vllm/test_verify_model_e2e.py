@@ -46,7 +46,8 @@ def save_no_sink_model(root: pathlib.Path) -> pathlib.Path:
                          eos_token_id=tokenizer.EOS_ID, pad_token_id=tokenizer.PAD_ID, initializer_range=0.2,
                          architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(str(root))
+    with tiny_models.quiet_progress_bars():
+        LlamaForCausalLM(config).eval().save_pretrained(str(root))
     tokenizer.save_tokenizer(root)
     return root
 
