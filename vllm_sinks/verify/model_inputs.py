@@ -198,11 +198,14 @@ def reference_dtype(params: int, model_dtype: str, available_bytes: int | None) 
     if available_bytes is None:
         return model_dtype, "free memory unknown: the model's dtype"
     have = available_bytes * USABLE_SHARE
-    gib = 2 ** 30
     if need <= have:
-        return "float32", f"fits: ~{need / gib:.2f} GiB of {available_bytes / gib:.1f} GiB free"
-    return model_dtype, (f"fp32 would need ~{need / gib:.1f} GiB, {available_bytes / gib:.1f} GiB free: "
-                         f"the model's dtype (bf16-level noise in every row)")
+        return "float32", f"fits: ~{_size(need)} of {_size(available_bytes)} free"
+    return model_dtype, (f"fp32 would need ~{_size(need)}, {_size(available_bytes)} free: "
+                         f"the model's dtype (16-bit noise in every row)")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def available_memory(device: str) -> int | None:
