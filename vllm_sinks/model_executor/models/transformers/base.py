@@ -128,16 +128,23 @@ def materialize_sink(module: nn.Module, sink: SinkSite, *, tp_size: int, dtype: 
     return param
 
 
+def layer_number(name: str) -> int | None:
+    """The one integer among a dotted module name's parts (``model.layers.3.self_attn`` -> 3), or
+    None where there is none or more than one. Also how ``verify`` names vLLM's attention layers."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    return numbers[0] if len(numbers) == 1 else None
+
+
 def _layer_index(name: str, module: nn.Module) -> int:
     """The decoder layer an attention module serves: its ``layer_idx``, else the one integer in its name."""
     index = getattr(module, "layer_idx", None)
     if isinstance(index, int):
         return index
-    numbers = [int(part) for part in name.split(".") if part.isdigit()]
-    if len(numbers) != 1:
+    number = layer_number(name)
+    if number is None:
         raise ValueError(f"{name} ({type(module).__name__}) has no layer_idx and its name does not "
                          "say which layer it is")
-    return numbers[0]
+    return number
 
 
 def _materialize_all(self) -> dict[int, nn.Parameter]:
