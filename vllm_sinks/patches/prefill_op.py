@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from vllm_sinks.env import WINDOW_WALK
 from vllm_sinks.patches import importhook, install
 from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
 
@@ -113,6 +114,7 @@ def _hand_back_faster_calls(ours, upstream) -> None:
 
 
 def probe(info: VllmInfo) -> Probe:
+    WINDOW_WALK.read()  # the op reads it per call: a bad value refuses the patch here, not mid-run
     _, upstream = _upstream_op()
     params = _upstream_params(upstream)
     elsewhere = _not_cuda()

@@ -32,6 +32,7 @@ from typing import Callable
 
 from packaging.version import InvalidVersion, Version
 
+from vllm_sinks import env
 from vllm_sinks.patches import importhook
 
 logger = logging.getLogger("vllm_sinks")
@@ -140,11 +141,6 @@ class Mode(str, enum.Enum):
     ON = "on"  # apply even where upstream has its own fix (opt-in; drift still refuses)
 
 
-_MODE_WORDS = {
-    "": Mode.AUTO, "auto": Mode.AUTO,
-    "0": Mode.OFF, "off": Mode.OFF, "false": Mode.OFF, "no": Mode.OFF, "disable": Mode.OFF,
-    "1": Mode.ON, "on": Mode.ON, "true": Mode.ON, "yes": Mode.ON, "force": Mode.ON,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,19 +166,22 @@ class Patch:
     def env_var(self) -> str:
         return "VLLM_SINKS_" + self.name.upper().replace("-", "_")
 
+    @property
+    def setting(self) -> env.Setting:
+        return env.Setting(self.env_var, env.PATCH_MODE_WORDS, Mode.AUTO.value,
+                           f"`{self.name}`: `off` never applies it; `on` applies it even where "
+                           "upstream has its own fix (drift still refuses)")
+
     def mode(self) -> Mode:
-        raw = os.environ.get(self.env_var, "").strip().lower()
-        if raw not in _MODE_WORDS:
-            raise ValueError(
-                f"{self.env_var}={os.environ[self.env_var]!r}: expected auto, on or off")
-        return _MODE_WORDS[raw]
+        """The env var's mode; ``env.BadSetting`` for a word it does not accept."""
+        return Mode(self.setting.read())
 
     def mode_or_result(self) -> "Mode | Result":
         """The env var's mode, or the final result where the env var alone decides (off, or a
-        value we do not know)."""
+        value we do not know: refused, as for a bad value of any vllm-sinks env var)."""
         try:
             mode = self.mode()
-        except ValueError as e:
+        except env.BadSetting as e:
             return Result(self.name, Status.REFUSED, str(e))
         if mode is Mode.OFF:
             return Result(self.name, Status.DISABLED, f"{self.env_var}=off")
@@ -205,6 +204,8 @@ class Patch:
             detail = self._hook("apply")(info) or ""
         except Drift as e:
             return Result(self.name, Status.REFUSED, f"upstream drift: {e}")
+        except env.BadSetting as e:  # another of our env vars the patch reads: refused, as its own
+            return Result(self.name, Status.REFUSED, str(e))
         except NotApplicable as e:
             return Result(self.name, Status.NOT_APPLICABLE, str(e))
         except Exception as e:  # noqa: BLE001 - a plugin must not take vLLM down; the report says why

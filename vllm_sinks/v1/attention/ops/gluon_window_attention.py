@@ -47,12 +47,12 @@ tile's band gains at most one block), head dim 64, fp16/bf16, output in the inpu
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import torch
 import triton
 
+from vllm_sinks.env import WINDOW_WALK
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     BLOCK_KEYS,
@@ -89,7 +89,7 @@ HEAD_DIM = 64
 #: per thread and slot). 9 (MiMo's ±64, GPT-OSS's causal 127) is the widest band the GPU tests run;
 #: wider windows take the portable kernel.
 MAX_BAND_BLOCKS = 9
-ENV_DISABLE = "VLLM_SINKS_WINDOW_WALK"  # "0" turns the kernel off (A/B timing, bisecting)
+ENV_DISABLE = WINDOW_WALK.name  # "0" / "off" turns the kernel off (A/B timing, bisecting)
 
 
 # ---- geometry (pure Python: the CPU tests check it exhaustively) --------------------------------
@@ -591,7 +591,7 @@ def walk_unavailable(device: torch.device) -> str | None:
     if not triton.__version__.startswith(TESTED_TRITON):
         return (f"Triton {triton.__version__}: the Gluon kernel is tested on Triton "
                 f"{', '.join(v + 'x' for v in TESTED_TRITON)}")
-    if os.environ.get(ENV_DISABLE, "1") == "0":
+    if WINDOW_WALK.read() == "off":
         return f"{ENV_DISABLE}=0"
     if not on_nvidia_gpu(device):
         return f"tensors on {device.type}" + (" (ROCm)" if torch.version.hip else "") + \
