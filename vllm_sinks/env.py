@@ -43,21 +43,24 @@ class Setting:
             raise BadSetting(f"{self.name}={raw!r}: expected {self.accepted()}")
         return value
 
-    def accepted(self) -> str:
-        """The accepted words, each value with its synonyms: ``auto (default) | on (also 1, ...)``."""
-        if self.words is None:
-            return "any path"
+    def choices(self) -> list[tuple[str, list[str]]]:
+        """Each value it stands for, with the other words that mean it, in table order."""
         synonyms: dict[str, list[str]] = {}
-        for word, value in self.words.items():
+        for word, value in (self.words or {}).items():
             synonyms.setdefault(value, [])
             if word != value:
                 synonyms[value].append(word)
+        return list(synonyms.items())
+
+    def accepted(self, quote: str = "") -> str:
+        """The accepted words, each value with its synonyms: ``auto (default) | on (also 1, ...)``."""
+        if self.words is None:
+            return "any path"
         parts = []
-        for value, others in synonyms.items():
-            part = value + (" (default)" if value == self.default else "")
-            if others:
-                part += f" (also {', '.join(others)})"
-            parts.append(part)
+        for value, others in self.choices():
+            notes = (["default"] if value == self.default else []) + \
+                ([f"also {', '.join(others)}"] if others else [])
+            parts.append(f"{quote}{value}{quote}" + (f" ({'; '.join(notes)})" if notes else ""))
         return " | ".join(parts)
 
 

@@ -155,12 +155,19 @@ class Patch:
     how: str
     remove_when: str
     hooks: str  # module holding probe(info) and apply(info)
+    #: What it fixes, in a sentence or two for the README's patch table (docs.py renders it).
+    summary: str = ""
     #: Upstream modules whose import arms the patch. Its probe + apply run once, right after the first
     #: of them has finished importing (at register time if one already has); after it applied, apply
     #: runs again each time another of them (or the same one, on reload) finishes importing, so a
     #: patch with a binding in several modules edits each as it arrives (apply must be idempotent and
     #: must not import them: see ``importhook.loaded``). Empty: probe + apply at register time.
     modules: tuple[str, ...] = ()
+
+    #: Patches that wrap the same upstream methods as this one and must be *earlier* in the
+    #: registry (they stack: the later one's wrapper calls the earlier one's). ``check_order``
+    #: fails loudly where the registry breaks it.
+    after: tuple[str, ...] = ()
 
     @property
     def env_var(self) -> str:
@@ -169,8 +176,8 @@ class Patch:
     @property
     def setting(self) -> env.Setting:
         return env.Setting(self.env_var, env.PATCH_MODE_WORDS, Mode.AUTO.value,
-                           f"`{self.name}`: `off` never applies it; `on` applies it even where "
-                           "upstream has its own fix (drift still refuses)")
+                           f"switches `{self.name}`: `off` never applies it; `on` applies it even "
+                           "where upstream has its own fix (drift still refuses)")
 
     def mode(self) -> Mode:
         """The env var's mode; ``env.BadSetting`` for a word it does not accept."""
@@ -233,6 +240,24 @@ class Patch:
         if previous.detail.startswith(f"forced by {self.env_var}=on; "):
             detail = self._forced(detail)
         return Result(self.name, Status.APPLIED, detail)
+
+
+def check_order(patches: tuple[Patch, ...]) -> None:
+    """Fail loudly where a patch is listed before one it must come after (``Patch.after``): patches
+    that wrap the same upstream methods stack in registry order, and their wrappers are written for
+    that order. Also: names unique, every ``after`` a known patch."""
+    seen: set[str] = set()
+    names = [p.name for p in patches]
+    if len(set(names)) != len(names):
+        raise ValueError(f"patch names repeat in the registry: {names}")
+    for patch in patches:
+        for earlier in patch.after:
+            if earlier not in names:
+                raise ValueError(f"{patch.name}: after={earlier!r} names no patch in the registry")
+            if earlier not in seen:
+                raise ValueError(f"{patch.name} wraps methods {earlier} also wraps and must come after it "
+                                 f"in the registry (they stack in registry order)")
+        seen.add(patch.name)
 
 
 # ---- once per process -------------------------------------------------------------------------

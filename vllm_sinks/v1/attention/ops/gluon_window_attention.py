@@ -85,6 +85,8 @@ except Exception as e:  # noqa: BLE001 - any failure means "no fast path", said 
 
 ROWS = 64  # score rows per tile: one wgmma M for one warpgroup
 HEAD_DIM = 64
+DTYPES = (torch.float16, torch.bfloat16)  # q, k, v and o, all alike
+CAPABILITY = (9, 0)  # wgmma: sm_90 (Hopper)
 #: Band blocks a tile may span: each slot's scores stay in registers for the exact softmax (8 fp32
 #: per thread and slot). 9 (MiMo's ±64, GPT-OSS's causal 127) is the widest band the GPU tests run;
 #: wider windows take the portable kernel.
@@ -592,14 +594,14 @@ def walk_unavailable(device: torch.device) -> str | None:
         return (f"Triton {triton.__version__}: the Gluon kernel is tested on Triton "
                 f"{', '.join(v + 'x' for v in TESTED_TRITON)}")
     if WINDOW_WALK.read() == "off":
-        return f"{ENV_DISABLE}=0"
+        return f"{ENV_DISABLE}=off"
     if not on_nvidia_gpu(device):
         return f"tensors on {device.type}" + (" (ROCm)" if torch.version.hip else "") + \
             ", not an NVIDIA GPU (or the Triton interpreter)"
     index = _device_index(device)
     if index not in _UNAVAILABLE:
         major, minor = torch.cuda.get_device_capability(index)
-        _UNAVAILABLE[index] = (None if (major, minor) == (9, 0) else
+        _UNAVAILABLE[index] = (None if (major, minor) == CAPABILITY else
                                f"compute capability {major}.{minor}: wgmma needs sm_90 (Hopper)")
     return _UNAVAILABLE[index]
 
@@ -655,7 +657,7 @@ class WalkLaunch:
         others)."""
         if not p.host_bound or walk_unavailable(p.device) is not None:
             return None
-        if p.dtype not in (torch.float16, torch.bfloat16) or p.out_dtype != p.dtype:
+        if p.dtype not in DTYPES or p.out_dtype != p.dtype:
             return None
         if p.head_dim != HEAD_DIM or p.empty or p.num_seqs > MAX_GRID_YZ:
             return None
