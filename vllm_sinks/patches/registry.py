@@ -274,6 +274,7 @@ class _State:
     result: Result
     busy: bool = False
     again: bool = False
+    owner: int | None = None  # the thread resolving it while busy (a fork may leave it behind)
     hook: Callable[[str, ModuleType], None] | None = None
     seconds: float = 0.0  # wall time spent in this patch's probe/apply in this process
 
@@ -320,7 +321,7 @@ def _claim(state: _State) -> str | None:
         action = "reapply"
     else:
         return None
-    state.busy = True
+    state.busy, state.owner = True, threading.get_ident()
     return action
 
 
@@ -424,7 +425,7 @@ def apply_all(info: VllmInfo | None = None) -> tuple[Result, ...]:
                 for name in state.patch.modules:
                     importhook.watch(name, state.hook)
         for state in pending:
-            state.busy = True
+            state.busy, state.owner = True, threading.get_ident()
     # Outside the lock: these import vLLM modules (see the comment above _State).
     for state in pending:
         _resolve(state, "run", None)
@@ -497,13 +498,26 @@ def _log_once(info: VllmInfo, results: tuple[Result, ...]) -> None:
 def _after_fork_in_child() -> None:
     # A forked child (vLLM's default start method on GPU) inherits the patched modules and vLLM's own
     # "plugins loaded" flag, so nobody calls us there: say so from the child. A thread that held our
-    # lock, or was resolving a patch, at the fork does not exist here.
+    # lock, or was resolving a patch, at the fork does not exist here: a patch it was resolving is
+    # resolved again here and now (probe + apply, or apply: both idempotent), not at the module's next
+    # import, which may never come (importhook marks such a module's import done in the child).
     global _lock
     _lock = threading.RLock()
+    me = threading.get_ident()
+    interrupted = []
     for state in _states or ():
-        state.busy = state.again = False
+        if state.busy and state.owner != me:
+            interrupted.append(state)
+            state.busy = state.again = False
+            state.owner = None
     if _registered_info is not None:
         _log_once(_registered_info, apply_all(_registered_info))
+    for state in interrupted:
+        with _lock:
+            action = _claim(state)
+        if action is not None:
+            loaded = [m for m in state.patch.modules if importhook.loaded(m) is not None]
+            _resolve(state, action, (loaded[0] if loaded else "register") + ", finished after a fork")
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
