@@ -24,6 +24,10 @@ KEY0_SINK_MODE_SINCE = "0.28.0"
 #: cast?), not by this number.
 CPU_BF16_ONLY_SINKS_THROUGH = "0.30"
 
+#: What the Transformers-backend patches arm on: the package, whose __init__ imports every module
+#: they edit, before any model is built.
+TRANSFORMERS_BACKEND = ("vllm.model_executor.models.transformers",)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="prefill-op",
@@ -120,8 +124,7 @@ PATCHES: tuple[Patch, ...] = (
             "`@deprecate_kwarg`-wrapped attention forwards, so the QKV/MLA fusers match (GPT-OSS "
             "attention is sharded at TP > 1; HY V4 fuses as MLA)"
         ),
-        # The package's __init__ imports every module these edit, before any model is built.
-        modules=("vllm.model_executor.models.transformers",),
+        modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
         name="transformers-sinks",
@@ -173,7 +176,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         # The package, not `.base`: its __init__ imports base and then registers the attention
         # interfaces we replace, so it is complete only once the package has finished importing.
-        modules=("vllm.model_executor.models.transformers",),
+        modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
         name="transformers-kv-heads",
@@ -216,8 +219,7 @@ PATCHES: tuple[Patch, ...] = (
         # pristine HF modules first and rebind `Attention` over the sink-adding stand-in (see
         # `kv_recursive_replace` / `kv_create_attention_instances` in our base.py).
         after=("transformers-sinks",),
-        # The package's __init__ imports every module these edit, before any model is built.
-        modules=("vllm.model_executor.models.transformers",),
+        modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
         name="logits-scaling",
@@ -243,8 +245,7 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="Upstream's CausalMixin applies `logits_scaling` (the probe then stands down).",
         hooks="vllm_sinks.patches.logits_scaling",
         summary="Transformers backend: Granite's `logits_scaling` applied (upstream reads only `logit_scale`)",
-        # The package's __init__ imports every module these edit, before any model is built.
-        modules=("vllm.model_executor.models.transformers",),
+        modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
         name="mimo-vision-sinks",

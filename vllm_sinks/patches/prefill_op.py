@@ -29,12 +29,11 @@ lacks: refuse (Drift) rather than drop it.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 from vllm_sinks.env import WINDOW_WALK
 from vllm_sinks.patches import importhook, install
-from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
+from vllm_sinks.patches.registry import Drift, Probe, VllmInfo, import_upstream
 
 PATCH_NAME = "prefill-op"
 OP_MODULE = "vllm.v1.attention.ops.triton_prefill_attention"
@@ -49,10 +48,7 @@ ENV_VAR = "VLLM_SINKS_PREFILL_OP"
 
 def _upstream_op():
     """(op module, upstream function) — the original even when our op is already installed."""
-    try:
-        module = importlib.import_module(OP_MODULE)
-    except ImportError as e:
-        raise Drift(f"{OP_MODULE} does not import ({type(e).__name__}: {e})") from e
+    module = import_upstream(OP_MODULE)
     fn = getattr(module, FUNCTION, None)
     if not callable(fn):
         raise Drift(f"{OP_MODULE}.{FUNCTION} not found")

@@ -65,6 +65,17 @@ class Status(str, enum.Enum):
     SKIPPED = "skipped"
 
 
+def import_upstream(name: str, *, absent_ok: bool = False) -> ModuleType | None:
+    """Upstream module ``name``, for a probe or apply: ``Drift`` where it does not import; None
+    instead where ``absent_ok`` and this vLLM has no such module at all (not a failure inside it)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if absent_ok and isinstance(e, ModuleNotFoundError) and e.name == name:
+            return None
+        raise Drift(f"{name} does not import ({type(e).__name__}: {e})") from e
+
+
 @dataclasses.dataclass(frozen=True)
 class Probe:
     applies: bool
