@@ -22,6 +22,7 @@ SCRIPTS = sorted(p for folder in ("scripts", "benchmarks", ".ci", ".buildkite")
 TOP = tuple(sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".git")))
 #: Machine paths: a reader's machine has none of them.
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|Users|mnt|scratch)/[\w.-]")
+OUTSIDE = re.compile(r"(?<![\w./$)\"'-])(\.\./[\w./-]*\w)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\s]+)`")
 MODULE = re.compile(r"\bvllm_sinks(?:\.\w+)+")
@@ -84,6 +85,8 @@ def _problems_in_doc(path: pathlib.Path) -> list[str]:
         elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
             problems.append(f"link to {target}: no such section")
     for code in CODE.findall(text):
+        if code.startswith("../") and not str((path.parent / code).resolve()).startswith(str(ROOT) + "/"):
+            problems.append(f"`{code}` is outside the repo")
         for name in REPO_PATH.findall(code):
             if not _exists(name):
                 problems.append(f"`{code}` names {name}, which does not exist")
@@ -110,6 +113,10 @@ def test_scripts_name_only_repo_paths_that_exist(path):
     text = path.read_text(errors="replace")
     missing = sorted({name for name in REPO_PATH.findall(text)
                       if not _exists(name) and not _made_by_the_script(name, text)})
+    # `../x` where it stands on its own (not `$(dirname "$0")/../..`): beside the script, in the repo.
+    missing += sorted({name for name in OUTSIDE.findall(text)
+                       if not (path.parent / name).resolve().exists()
+                       or not str((path.parent / name).resolve()).startswith(str(ROOT) + "/")})
     assert not missing, f"{_rel(path)} names {missing}, which do not exist"
 
 
@@ -122,12 +129,14 @@ def test_the_checker_catches_what_it_is_for(tmp_path, monkeypatch):
     # The checks above must be able to fail: a doc with each kind of stale reference.
     doc = ROOT / "docs" / "_probe_for_the_link_test.md"
     body = ("[gone](no/such/file.md) [section](../README.md#no-such-section) "
-            "`vllm_sinks/no_such_module.py` `vllm_sinks.no_such_module` `tests/op/test_hopper_compile.py`\n")
+            "`vllm_sinks/no_such_module.py` `vllm_sinks.no_such_module` `tests/op/test_hopper_compile.py` "
+            "`../../shared/tools/x.sh`\n")
     try:
         doc.write_text(body)
         problems = _problems_in_doc(doc)
     finally:
         doc.unlink()
-    assert len(problems) == 5, problems
+    assert len(problems) == 6, problems
+    assert OUTSIDE.findall("see ../shared/tools/x.sh") and not OUTSIDE.findall('cd "$(dirname "$0")/../.."')
     assert MACHINE_PATH.search("see /work/.device/4/") and MACHINE_PATH.search("(`/root/x`)")
     assert not MACHINE_PATH.search("~/.cache/vllm-sinks/venvs and docs/work/x")
