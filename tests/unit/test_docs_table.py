@@ -5,7 +5,7 @@ import pytest
 
 from vllm_sinks.patches import CPU_BF16_ONLY_SINKS_THROUGH, KEY0_SINK_MODE_SINCE, PATCHES, docs
 from vllm_sinks.patches.docs import render_readme_table, render_table, sync_docs
-from vllm_sinks.patches.registry import Patch, check_order
+from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Patch, check_order
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROSE = [ROOT / "README.md", ROOT / "DEVELOPERS.md", *(ROOT / "docs").rglob("*.md"),
@@ -55,6 +55,10 @@ def test_version_facts_are_stated_once():
             if "49815" in line:
                 assert "unverified" not in line.split("49815", 1)[1][:120], f"{path}: {line}"
     assert KEY0_SINK_MODE_SINCE in docs.render_version_facts()
+    # The supported range, where prose names it ("0.27.1 … 0.33.0"), is the registry's.
+    for path in [p for p in PROSE if p.suffix == ".md"]:
+        for low, high in re.findall(r"(\d+\.\d+\.\d+) … (\d+\.\d+\.\d+)", path.read_text()):
+            assert (low, high) == (str(SUPPORTED_MIN), str(SUPPORTED_MAX)), f"{path}: {low} … {high}"
 
 
 def test_fast_path_conditions_come_from_the_kernel():
