@@ -22,6 +22,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -36,7 +38,7 @@ def _mark(marker: str, index: int) -> None:
     print(f"{marker} {index} pid={os.getpid()}", file=sys.stderr, flush=True)
 
 
-def _prompt_logprobs(output, token_ids: list[int]) -> list[float]:
+def prompt_logprobs(output, token_ids: list[int]) -> list[float]:
     """Logprob of token i+1 given tokens 0..i, read from vLLM's ``prompt_logprobs`` (entry 0 is None)."""
     entries = output.prompt_logprobs
     if entries is None or len(entries) != len(token_ids):
@@ -50,6 +52,25 @@ def _prompt_logprobs(output, token_ids: list[int]) -> list[float]:
             raise RuntimeError(f"vLLM gave no logprob for prompt token {tok} at position {pos}")
         values.append(float(entry[tok].logprob))
     return values
+
+
+def stop_group(proc) -> None:
+    """Stop a worker started in its own session and everything it started (engine core, TP workers):
+    SIGTERM to the group, then SIGKILL to whatever of it is left."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader is gone; its children may linger in the group a moment longer.
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
 
 
 def _shutdown(llm) -> None:
@@ -70,7 +91,7 @@ def run_job(job: dict) -> list[float]:
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         [output] = llm.generate([{"prompt_token_ids": list(job["token_ids"])}], params, use_tqdm=False)
-        return _prompt_logprobs(output, list(job["token_ids"]))
+        return prompt_logprobs(output, list(job["token_ids"]))
     finally:
         _shutdown(llm)
         del llm
