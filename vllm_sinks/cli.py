@@ -1,7 +1,7 @@
 """`vllm-sinks` command line (also `python -m vllm_sinks`).
 
     vllm-sinks report            versions and each patch's status here, without starting an engine
-    vllm-sinks docs [--check]    (re)write the patch table in docs/patches.md from the registry
+    vllm-sinks docs [--check]    (re)write the registry's tables in README.md and docs/patches.md
     vllm-sinks diff [...]        differential check: vLLM prompt logprobs vs HF eager on tiny models
     vllm-sinks verify [...]      the differential check for every sink family, patch on and off
     vllm-sinks verify --model PATH [...]   the same check on your checkpoint (HF eager reference)
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 
@@ -23,9 +24,13 @@ def _report(_args: argparse.Namespace) -> int:
 def _docs(args: argparse.Namespace) -> int:
     from vllm_sinks.patches.docs import sync_docs
 
-    stale = sync_docs(check=args.check)
+    try:
+        stale = sync_docs(check=args.check, root=args.root)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"vllm-sinks docs: {e}", file=sys.stderr)
+        return 2
     if stale and args.check:
-        print("docs/patches.md is out of step with the registry: run `vllm-sinks docs`", file=sys.stderr)
+        print(f"{', '.join(stale)} out of step with the registry: run `vllm-sinks docs`", file=sys.stderr)
         return 1
     return 0
 
@@ -47,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("report", help="versions and patch statuses").set_defaults(func=_report)
-    docs = sub.add_parser("docs", help="write the patch table into docs/patches.md")
+    docs = sub.add_parser("docs", help="write the registry's tables into README.md and docs/patches.md")
     docs.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
+    docs.add_argument("--root", type=pathlib.Path, default=None,
+                      help="the source checkout to edit (default: the one the current directory is in)")
     docs.set_defaults(func=_docs)
     for name, func, text in (("diff", _diff, "differential check vs HF eager"),
                              ("verify", _verify, "differential check, all families (or --model PATH), patch on/off")):

@@ -9,9 +9,8 @@
 #                plugin replaces), and vllm/utils/math_utils.py (stdlib only; it gives the op its RCP_LN2).
 #                Its other imports (vllm.platforms.current_platform, vllm.triton_utils.tl/triton) are tiny
 #                shims in benchmarks/kernels/peers.py: upstream_op(DIR).
-# DIR/fa3/       vLLM's FlashAttention-3 build, the same files ../shared/tools/fa3-peer.sh makes
-#                (_vllm_fa3_C.abi3.so.xz, flash_attn_interface.py): peers.py: fa3_varlen(DIR).
-#                Its recipe is repeated here (not called) so that one wheel download serves both peers.
+# DIR/fa3/       vLLM's FlashAttention-3 build (_vllm_fa3_C.abi3.so.xz, flash_attn_interface.py), taken
+#                from the same wheel so that one download serves both peers: peers.py: fa3_varlen(DIR).
 # DIR/SOURCE     the wheel's name and sha256, and each extracted file's sha256.
 set -euo pipefail
 OUT=${1:?usage: fetch_peers.sh DIR  (e.g. .gpu/peers)}
@@ -35,7 +34,7 @@ case "$(basename "$whl")" in vllm-"$VERSION"-*.whl) ;; *) echo "not a vllm $VERS
 mkdir -p "$OUT/upstream" "$OUT/fa3"
 unzip -p "$whl" vllm/v1/attention/ops/triton_prefill_attention.py > "$OUT/upstream/triton_prefill_attention.py"
 unzip -p "$whl" vllm/utils/math_utils.py > "$OUT/upstream/math_utils.py"
-# FA3, as ../shared/tools/fa3-peer.sh does it.
+# FA3: its compiled library (xz: the carry limit) and its Python interface.
 unzip -p "$whl" vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so | xz -T0 -6 > "$OUT/fa3/_vllm_fa3_C.abi3.so.xz"
 unzip -p "$whl" vllm/vllm_flash_attn/flash_attn_interface.py > "$OUT/fa3/flash_attn_interface.py"
 

@@ -1,8 +1,8 @@
 """Compile the Hopper window kernel (Gluon) for sm_90a without a GPU: registers, spills, shared
 memory, and its instructions by opcode.
 
-    /tmp/t36/bin/python benchmarks/kernels/inspect_window_walk.py                  # MiMo's shape
-    /tmp/t36/bin/python benchmarks/kernels/inspect_window_walk.py --case gpt-oss --sass out.sass
+    python benchmarks/kernels/inspect_window_walk.py                  # MiMo's shape
+    python benchmarks/kernels/inspect_window_walk.py --case gpt-oss --sass out.sass
 
 Needs the GPU machine's Triton (3.6: Gluon's API differs in other releases; see DEVELOPERS.md for
 the venv). What it answers between GPU runs: whether the kernel compiles at all, whether it still

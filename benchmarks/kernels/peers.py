@@ -12,8 +12,8 @@ time into a git-ignored folder, and loaded without vLLM installed (the GPU machi
   only) when it was fetched. Works on a GPU and in Triton's interpreter (``TRITON_INTERPRET=1``, set
   before the first call of :func:`upstream_op`: Triton reads it when the kernel is decorated).
 - :func:`fa3_varlen` — vLLM's FlashAttention-3 build (``flash_attn_varlen_func(..., fa_version=3)``),
-  unpacked from ``fa3/_vllm_fa3_C.abi3.so.xz`` into a temporary package, as
-  ``../shared/tools/fa3-peer.sh`` describes. Hopper only; on the CPU it returns None.
+  unpacked from ``fa3/_vllm_fa3_C.abi3.so.xz`` (``fetch_peers.sh`` writes it) into a temporary
+  package. Hopper only; on the CPU it returns None.
 
 Each returns None, after printing why, when the files are missing or cannot be loaded here.
 

@@ -9,7 +9,7 @@
 #   bash benchmarks/kernels/run_on_device.sh profile    # ncu of the default shape + code dump + sweep
 #
 # TRITON_TARBALL=.gpu/triton-3.7.1-slim.tar.xz runs everything under that Triton instead of the
-# machine's (../shared/tools/slim-triton.sh builds it; carry it): users have 3.7.1 (vLLM 0.27-0.32)
+# machine's (a slimmed Triton wheel, packed outside this repo; carry it): users have 3.7.1 (vLLM 0.27-0.32)
 # and 3.8.x (0.33), the machine 3.6. The benchmarks' peers come from benchmarks/kernels/fetch_peers.sh
 # (carry .gpu/peers).
 set -uo pipefail

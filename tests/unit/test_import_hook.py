@@ -405,3 +405,94 @@ def test_version_outside_range_arms_nothing(fake, monkeypatch):
     (result,) = vllm_sinks.register()
     assert result.status is Status.SKIPPED
     assert fake.ops not in importhook.watched()
+
+
+def test_a_module_mid_import_at_register_is_patched_when_it_finishes(fake, monkeypatch):
+    # vLLM may load plugins while one of our target modules is itself being imported (without our
+    # loader: nothing was watched yet). The patch stays armed during the body and applies when
+    # importlib finishes that import, to the finished module.
+    mid = f"{fake.pkg}.mid"
+    (fake.dir / "mid.py").write_text(textwrap.dedent("""
+        import os
+        from vllm_sinks.patches import registry
+        AT_REGISTER = registry.apply_all()
+        if os.environ.get("FAKE_MID_FAIL") == "1":
+            raise RuntimeError("body fails")
+        def fn():
+            return "upstream"
+        FINISHED = True
+    """))
+    seen = []
+
+    def apply(info):
+        module = importhook.loaded(mid)
+        seen.append(getattr(module, "FINISHED", False))
+        install.install(module, "fn", Fake.ours, "fake")
+        return "mid"
+
+    monkeypatch.setattr(fake.hooks, "apply", apply)
+    monkeypatch.setattr(fake.hooks, "probe", lambda info: Probe(True, "lacks it"))
+    _use(monkeypatch, fake.patch(modules=(mid,)))
+    monkeypatch.setenv("FAKE_MID_FAIL", "1")
+    with pytest.raises(RuntimeError, match="body fails"):
+        importlib.import_module(mid)  # registers mid-import; the body then fails: no callback
+    assert _status().status is Status.ARMED and not seen
+    monkeypatch.delenv("FAKE_MID_FAIL")
+    module = importlib.import_module(mid)  # the next import: hooked by the finder as usual
+    assert _status().status is Status.APPLIED and seen == [True] and module.fn() == "ours"
+
+    registry._reset_for_tests()
+    del sys.modules[mid]
+    seen.clear()
+    module = importlib.import_module(mid)  # nothing watched when it starts: registers inside
+    assert [r.status for r in module.AT_REGISTER] == [Status.ARMED]
+    assert _status().status is Status.APPLIED and seen == [True] and module.fn() == "ours"
+    assert type(module.__spec__) is importlib.machinery.ModuleSpec  # the mark is gone again
+
+
+def test_a_fork_during_another_threads_apply_finishes_the_patch_in_the_child(fake, tmp_path):
+    # Thread T imports ops; its post-import hook is inside the patch's apply when the main thread
+    # forks. T does not exist in the child: the child finishes the patch at once (not at the next
+    # import of ops, which would wait for T's import lock), and can import ops.
+    script = textwrap.dedent(f"""
+        import importlib, os, sys, threading
+        sys.path.insert(0, {str(tmp_path)!r})
+        import tests.unit.test_import_hook as t
+        from vllm_sinks.patches import install, registry
+        import vllm_sinks.patches as pkg
+        f = t.Fake.__new__(t.Fake)
+        f.__dict__.update(pkg=%r, calls=[], probe_error=None, probe_applies=True)
+        f.ops, f.backend = f.pkg + ".ops", f.pkg + ".backend"
+        parent, inside, release = os.getpid(), threading.Event(), threading.Event()
+        def apply(info):
+            if os.getpid() == parent and threading.current_thread().name == "T":
+                inside.set()
+                release.wait(60)
+            return f._apply(info)
+        import types
+        f.hooks = types.ModuleType("hooks_fork2"); f.hooks.probe = f._probe; f.hooks.apply = apply
+        sys.modules["hooks_fork2"] = f.hooks
+        pkg.PATCHES = (f.patch(),)
+        registry.detect_vllm = lambda: t._info("0.29.0")
+        registry.register_all()
+        worker = threading.Thread(target=importlib.import_module, args=(f.ops,), name="T")
+        worker.start()
+        assert inside.wait(60)
+        pid = os.fork()
+        if pid == 0:
+            import signal
+            signal.alarm(60)  # a hung child (the gap this test is about) must not outlive the test
+            status = registry.apply_all()[0].status.value
+            ops = importlib.import_module(f.ops)
+            print("child", status, ops.fn(), flush=True)
+            os._exit(0)
+        release.set()
+        worker.join(60)
+        os.waitpid(pid, 0)
+        print("parent", registry.apply_all()[0].status.value, sys.modules[f.ops].fn(), flush=True)
+    """) % fake.pkg
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150,
+                          cwd=str(pathlib_root()))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["child applied ours", "parent applied ours"], proc.stdout + proc.stderr
+    assert "finished after a fork" in proc.stderr

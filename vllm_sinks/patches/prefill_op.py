@@ -29,11 +29,11 @@ lacks: refuse (Drift) rather than drop it.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
+from vllm_sinks.env import WINDOW_WALK
 from vllm_sinks.patches import importhook, install
-from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
+from vllm_sinks.patches.registry import Drift, Probe, VllmInfo, import_upstream
 
 PATCH_NAME = "prefill-op"
 OP_MODULE = "vllm.v1.attention.ops.triton_prefill_attention"
@@ -48,10 +48,7 @@ ENV_VAR = "VLLM_SINKS_PREFILL_OP"
 
 def _upstream_op():
     """(op module, upstream function) — the original even when our op is already installed."""
-    try:
-        module = importlib.import_module(OP_MODULE)
-    except ImportError as e:
-        raise Drift(f"{OP_MODULE} does not import ({type(e).__name__}: {e})") from e
+    module = import_upstream(OP_MODULE)
     fn = getattr(module, FUNCTION, None)
     if not callable(fn):
         raise Drift(f"{OP_MODULE}.{FUNCTION} not found")
@@ -113,6 +110,7 @@ def _hand_back_faster_calls(ours, upstream) -> None:
 
 
 def probe(info: VllmInfo) -> Probe:
+    WINDOW_WALK.read()  # the op reads it per call: a bad value refuses the patch here, not mid-run
     _, upstream = _upstream_op()
     params = _upstream_params(upstream)
     elsewhere = _not_cuda()

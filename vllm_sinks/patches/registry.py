@@ -32,6 +32,7 @@ from typing import Callable
 
 from packaging.version import InvalidVersion, Version
 
+from vllm_sinks import env
 from vllm_sinks.patches import importhook
 
 logger = logging.getLogger("vllm_sinks")
@@ -62,6 +63,17 @@ class Status(str, enum.Enum):
     REFUSED = "refused"
     FAILED = "failed"
     SKIPPED = "skipped"
+
+
+def import_upstream(name: str, *, absent_ok: bool = False) -> ModuleType | None:
+    """Upstream module ``name``, for a probe or apply: ``Drift`` where it does not import; None
+    instead where ``absent_ok`` and this vLLM has no such module at all (not a failure inside it)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if absent_ok and isinstance(e, ModuleNotFoundError) and e.name == name:
+            return None
+        raise Drift(f"{name} does not import ({type(e).__name__}: {e})") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +152,6 @@ class Mode(str, enum.Enum):
     ON = "on"  # apply even where upstream has its own fix (opt-in; drift still refuses)
 
 
-_MODE_WORDS = {
-    "": Mode.AUTO, "auto": Mode.AUTO,
-    "0": Mode.OFF, "off": Mode.OFF, "false": Mode.OFF, "no": Mode.OFF, "disable": Mode.OFF,
-    "1": Mode.ON, "on": Mode.ON, "true": Mode.ON, "yes": Mode.ON, "force": Mode.ON,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +166,8 @@ class Patch:
     how: str
     remove_when: str
     hooks: str  # module holding probe(info) and apply(info)
+    #: What it fixes, in a sentence or two for the README's patch table (docs.py renders it).
+    summary: str = ""
     #: Upstream modules whose import arms the patch. Its probe + apply run once, right after the first
     #: of them has finished importing (at register time if one already has); after it applied, apply
     #: runs again each time another of them (or the same one, on reload) finishes importing, so a
@@ -166,23 +175,31 @@ class Patch:
     #: must not import them: see ``importhook.loaded``). Empty: probe + apply at register time.
     modules: tuple[str, ...] = ()
 
+    #: Patches that wrap the same upstream methods as this one and must be *earlier* in the
+    #: registry (they stack: the later one's wrapper calls the earlier one's). ``check_order``
+    #: fails loudly where the registry breaks it.
+    after: tuple[str, ...] = ()
+
     @property
     def env_var(self) -> str:
         return "VLLM_SINKS_" + self.name.upper().replace("-", "_")
 
+    @property
+    def setting(self) -> env.Setting:
+        return env.Setting(self.env_var, env.PATCH_MODE_WORDS, Mode.AUTO.value,
+                           f"switches `{self.name}`: `off` never applies it; `on` applies it even "
+                           "where upstream has its own fix (drift still refuses)")
+
     def mode(self) -> Mode:
-        raw = os.environ.get(self.env_var, "").strip().lower()
-        if raw not in _MODE_WORDS:
-            raise ValueError(
-                f"{self.env_var}={os.environ[self.env_var]!r}: expected auto, on or off")
-        return _MODE_WORDS[raw]
+        """The env var's mode; ``env.BadSetting`` for a word it does not accept."""
+        return Mode(self.setting.read())
 
     def mode_or_result(self) -> "Mode | Result":
         """The env var's mode, or the final result where the env var alone decides (off, or a
-        value we do not know)."""
+        value we do not know: refused, as for a bad value of any vllm-sinks env var)."""
         try:
             mode = self.mode()
-        except ValueError as e:
+        except env.BadSetting as e:
             return Result(self.name, Status.REFUSED, str(e))
         if mode is Mode.OFF:
             return Result(self.name, Status.DISABLED, f"{self.env_var}=off")
@@ -205,6 +222,8 @@ class Patch:
             detail = self._hook("apply")(info) or ""
         except Drift as e:
             return Result(self.name, Status.REFUSED, f"upstream drift: {e}")
+        except env.BadSetting as e:  # another of our env vars the patch reads: refused, as its own
+            return Result(self.name, Status.REFUSED, str(e))
         except NotApplicable as e:
             return Result(self.name, Status.NOT_APPLICABLE, str(e))
         except Exception as e:  # noqa: BLE001 - a plugin must not take vLLM down; the report says why
@@ -234,6 +253,24 @@ class Patch:
         return Result(self.name, Status.APPLIED, detail)
 
 
+def check_order(patches: tuple[Patch, ...]) -> None:
+    """Fail loudly where a patch is listed before one it must come after (``Patch.after``): patches
+    that wrap the same upstream methods stack in registry order, and their wrappers are written for
+    that order. Also: names unique, every ``after`` a known patch."""
+    seen: set[str] = set()
+    names = [p.name for p in patches]
+    if len(set(names)) != len(names):
+        raise ValueError(f"patch names repeat in the registry: {names}")
+    for patch in patches:
+        for earlier in patch.after:
+            if earlier not in names:
+                raise ValueError(f"{patch.name}: after={earlier!r} names no patch in the registry")
+            if earlier not in seen:
+                raise ValueError(f"{patch.name} wraps methods {earlier} also wraps and must come after it "
+                                 f"in the registry (they stack in registry order)")
+        seen.add(patch.name)
+
+
 # ---- once per process -------------------------------------------------------------------------
 #
 # One _State per patch. Decisions are made under _lock; probe/apply run *outside* it (they import
@@ -248,6 +285,7 @@ class _State:
     result: Result
     busy: bool = False
     again: bool = False
+    owner: int | None = None  # the thread resolving it while busy (a fork may leave it behind)
     hook: Callable[[str, ModuleType], None] | None = None
     seconds: float = 0.0  # wall time spent in this patch's probe/apply in this process
 
@@ -294,7 +332,7 @@ def _claim(state: _State) -> str | None:
         action = "reapply"
     else:
         return None
-    state.busy = True
+    state.busy, state.owner = True, threading.get_ident()
     return action
 
 
@@ -398,7 +436,7 @@ def apply_all(info: VllmInfo | None = None) -> tuple[Result, ...]:
                 for name in state.patch.modules:
                     importhook.watch(name, state.hook)
         for state in pending:
-            state.busy = True
+            state.busy, state.owner = True, threading.get_ident()
     # Outside the lock: these import vLLM modules (see the comment above _State).
     for state in pending:
         _resolve(state, "run", None)
@@ -471,13 +509,26 @@ def _log_once(info: VllmInfo, results: tuple[Result, ...]) -> None:
 def _after_fork_in_child() -> None:
     # A forked child (vLLM's default start method on GPU) inherits the patched modules and vLLM's own
     # "plugins loaded" flag, so nobody calls us there: say so from the child. A thread that held our
-    # lock, or was resolving a patch, at the fork does not exist here.
+    # lock, or was resolving a patch, at the fork does not exist here: a patch it was resolving is
+    # resolved again here and now (probe + apply, or apply: both idempotent), not at the module's next
+    # import, which may never come (importhook marks such a module's import done in the child).
     global _lock
     _lock = threading.RLock()
+    me = threading.get_ident()
+    interrupted = []
     for state in _states or ():
-        state.busy = state.again = False
+        if state.busy and state.owner != me:
+            interrupted.append(state)
+            state.busy = state.again = False
+            state.owner = None
     if _registered_info is not None:
         _log_once(_registered_info, apply_all(_registered_info))
+    for state in interrupted:
+        with _lock:
+            action = _claim(state)
+        if action is not None:
+            loaded = [m for m in state.patch.modules if importhook.loaded(m) is not None]
+            _resolve(state, action, (loaded[0] if loaded else "register") + ", finished after a fork")
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

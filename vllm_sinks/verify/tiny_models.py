@@ -222,7 +222,9 @@ def _builder_hash() -> str:
 
 def default_cache_dir() -> pathlib.Path:
     """$VLLM_SINKS_CACHE, else ~/.cache/vllm-sinks/models."""
-    root = os.environ.get("VLLM_SINKS_CACHE")
+    from vllm_sinks.env import CACHE
+
+    root = CACHE.read()
     return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "vllm-sinks" / "models"
 
 

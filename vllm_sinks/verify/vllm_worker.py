@@ -22,6 +22,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -50,6 +52,25 @@ def prompt_logprobs(output, token_ids: list[int]) -> list[float]:
             raise RuntimeError(f"vLLM gave no logprob for prompt token {tok} at position {pos}")
         values.append(float(entry[tok].logprob))
     return values
+
+
+def stop_group(proc) -> None:
+    """Stop a worker started in its own session and everything it started (engine core, TP workers):
+    SIGTERM to the group, then SIGKILL to whatever of it is left."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader is gone; its children may linger in the group a moment longer.
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
 
 
 def _shutdown(llm) -> None:

@@ -19,13 +19,14 @@ Chosen with ``VLLM_SINKS_MIMO_SINK_SEMANTICS`` = ``key0`` | ``null``.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Mapping
 
 import torch
 
+from vllm_sinks.env import MIMO_SINK_SEMANTICS
+
 #: Env var selecting how the vision sinks enter the softmax.
-SEMANTICS_ENV = "VLLM_SINKS_MIMO_SINK_SEMANTICS"
+SEMANTICS_ENV = MIMO_SINK_SEMANTICS.name
 KEY0 = "key0"
 NULL = "null"
 SINK_SEMANTICS = (KEY0, NULL)
@@ -36,20 +37,13 @@ PrefillOp = Callable[..., Any]
 
 
 def parse_sink_semantics(raw: str | None) -> str:
-    """``key0`` / ``null`` (case and surrounding space ignored; empty = default). Anything else raises."""
-    value = (raw or "").strip().lower()
-    if not value:
-        return DEFAULT_SEMANTICS
-    if value not in SINK_SEMANTICS:
-        raise ValueError(f"{SEMANTICS_ENV}={raw!r}: expected one of {', '.join(SINK_SEMANTICS)} "
-                         f"(key0 = sinks[h] added to key 0's logit, the default; "
-                         f"null = sinks[h] as an extra softmax-denominator logit)")
-    return value
+    """``key0`` / ``null`` (case and surrounding space ignored; empty = default). Anything else raises
+    ``BadSetting`` (a ValueError), worded as for every vllm-sinks env var (``vllm_sinks.env``)."""
+    return MIMO_SINK_SEMANTICS.read({} if raw is None else {SEMANTICS_ENV: raw})
 
 
 def sink_semantics_from_env(environ: Mapping[str, str] | None = None) -> str:
-    environ = os.environ if environ is None else environ
-    return parse_sink_semantics(environ.get(SEMANTICS_ENV))
+    return MIMO_SINK_SEMANTICS.read(environ)
 
 
 def describe_semantics(semantics: str) -> str:

@@ -166,16 +166,23 @@ def materialize_sink(module: nn.Module, sink: SinkSite, *, tp_size: int, dtype: 
     return param
 
 
+def layer_number(name: str) -> int | None:
+    """The one integer among a dotted module name's parts (``model.layers.3.self_attn`` -> 3), or
+    None where there is none or more than one. Also how ``verify`` names vLLM's attention layers."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    return numbers[0] if len(numbers) == 1 else None
+
+
 def _layer_index(name: str, module: nn.Module) -> int:
     """The decoder layer an attention module serves: its ``layer_idx``, else the one integer in its name."""
     index = getattr(module, "layer_idx", None)
     if isinstance(index, int):
         return index
-    numbers = [int(part) for part in name.split(".") if part.isdigit()]
-    if len(numbers) != 1:
+    number = layer_number(name)
+    if number is None:
         raise ValueError(f"{name} ({type(module).__name__}) has no layer_idx and its name does not "
                          "say which layer it is")
-    return numbers[0]
+    return number
 
 
 def _materialize_all(self) -> dict[int, nn.Parameter]:
@@ -226,6 +233,14 @@ def _with_sinks(cls: type, sinks: dict[int, nn.Parameter]) -> Callable[..., Any]
     return construct
 
 
+# Stacking: transformers-kv-heads wraps the same two Base methods around this patch (registry order,
+# `Patch.after`, checked at import of the registry). Each patch saves whatever `Attention` the module
+# holds when its call starts and wraps *that*, so the stand-ins nest (kv-heads outside, sinks
+# inside: a layer gets its own KV heads and its sink) and each restores what it found.
+# Why the module-level name and not a narrower seam: upstream 0.28-0.33 pick the class through
+# `Base._get_attn_cls()` (an instance method we could wrap per call), but 0.27.1 picks it inline
+# from the module's `Attention` / `EncoderOnlyAttention` names, so the module name is the one seam
+# every supported release has; it is rebound only for the duration of one model-construction call.
 @contextlib.contextmanager
 def _attention_classes_with_sinks(namespace: dict, sinks: dict[int, nn.Parameter]) -> Iterator[None]:
     """Bind upstream base's ``Attention`` / ``EncoderOnlyAttention`` names to sink-adding stand-ins.
@@ -431,7 +446,10 @@ def read_kv_geometry(model: nn.Module) -> dict[int, KvGeometry]:
 
 def kv_recursive_replace(self) -> None:
     """Replacement of ``Base.recursive_replace``: read each layer's KV geometry first, run upstream's
-    (or the transformers-sinks patch's) replacement, then replicate KV heads TP cannot split."""
+    (or the transformers-sinks patch's) replacement, then replicate KV heads TP cannot split.
+
+    Stacks on transformers-sinks' ``recursive_replace`` (registry order, see the stacking note above
+    ``_attention_classes_with_sinks``): both read the pristine HF modules before upstream's runs."""
     _KV[self] = geometry = read_kv_geometry(self.model)
     result = install.original(kv_recursive_replace)(self)
     replicate_split_kv_heads(self, geometry)

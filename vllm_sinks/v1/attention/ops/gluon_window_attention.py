@@ -47,12 +47,12 @@ tile's band gains at most one block), head dim 64, fp16/bf16, output in the inpu
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import torch
 import triton
 
+from vllm_sinks.env import WINDOW_WALK
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     BLOCK_KEYS,
@@ -85,11 +85,13 @@ except Exception as e:  # noqa: BLE001 - any failure means "no fast path", said 
 
 ROWS = 64  # score rows per tile: one wgmma M for one warpgroup
 HEAD_DIM = 64
+DTYPES = (torch.float16, torch.bfloat16)  # q, k, v and o, all alike
+CAPABILITY = (9, 0)  # wgmma: sm_90 (Hopper)
 #: Band blocks a tile may span: each slot's scores stay in registers for the exact softmax (8 fp32
 #: per thread and slot). 9 (MiMo's ±64, GPT-OSS's causal 127) is the widest band the GPU tests run;
 #: wider windows take the portable kernel.
 MAX_BAND_BLOCKS = 9
-ENV_DISABLE = "VLLM_SINKS_WINDOW_WALK"  # "0" turns the kernel off (A/B timing, bisecting)
+ENV_DISABLE = WINDOW_WALK.name  # "0" / "off" turns the kernel off (A/B timing, bisecting)
 
 
 # ---- geometry (pure Python: the CPU tests check it exhaustively) --------------------------------
@@ -591,15 +593,15 @@ def walk_unavailable(device: torch.device) -> str | None:
     if not triton.__version__.startswith(TESTED_TRITON):
         return (f"Triton {triton.__version__}: the Gluon kernel is tested on Triton "
                 f"{', '.join(v + 'x' for v in TESTED_TRITON)}")
-    if os.environ.get(ENV_DISABLE, "1") == "0":
-        return f"{ENV_DISABLE}=0"
+    if WINDOW_WALK.read() == "off":
+        return f"{ENV_DISABLE}=off"
     if not on_nvidia_gpu(device):
         return f"tensors on {device.type}" + (" (ROCm)" if torch.version.hip else "") + \
             ", not an NVIDIA GPU (or the Triton interpreter)"
     index = _device_index(device)
     if index not in _UNAVAILABLE:
         major, minor = torch.cuda.get_device_capability(index)
-        _UNAVAILABLE[index] = (None if (major, minor) == (9, 0) else
+        _UNAVAILABLE[index] = (None if (major, minor) == CAPABILITY else
                                f"compute capability {major}.{minor}: wgmma needs sm_90 (Hopper)")
     return _UNAVAILABLE[index]
 
@@ -655,7 +657,7 @@ class WalkLaunch:
         others)."""
         if not p.host_bound or walk_unavailable(p.device) is not None:
             return None
-        if p.dtype not in (torch.float16, torch.bfloat16) or p.out_dtype != p.dtype:
+        if p.dtype not in DTYPES or p.out_dtype != p.dtype:
             return None
         if p.head_dim != HEAD_DIM or p.empty or p.num_seqs > MAX_GRID_YZ:
             return None
