@@ -62,8 +62,7 @@ def _native_archs() -> set[str]:
 def checked(tmp_path_factory):
     """name -> ModelPlan after every run (the one batched run_plans call of this module)."""
     dirs = {f: tiny_models.tiny_model(f, "float32") for f in SINK_FAMILIES if tiny_models.family_available(f)}
-    if REMOTE in getattr(tiny_models, "REMOTE_CODE_MODELS", ()):
-        dirs[REMOTE] = tiny_models.tiny_model(REMOTE, "float32")
+    dirs[REMOTE] = tiny_models.tiny_model(REMOTE, "float32")
     dirs["no_sinks"] = save_no_sink_model(tmp_path_factory.mktemp("llama-no-sinks"))
     native = _native_archs()
     plans = {}

@@ -17,7 +17,7 @@ import gc
 import sys
 
 from vllm_sinks.verify.inspect_transformers_model import _merge_ranks, describe_attention, tp_kwargs
-from vllm_sinks.verify.vllm_worker import prompt_logprobs, serve_jobs
+from vllm_sinks.verify.vllm_worker import _shutdown, prompt_logprobs, serve_jobs
 
 
 def run_job(job: dict) -> dict:
@@ -38,9 +38,7 @@ def run_job(job: dict) -> dict:
         return dict(prompts=[dict(logprobs=prompt_logprobs(out, ids), continuation=list(out.outputs[0].token_ids))
                              for out, ids in zip(outputs, prompts)], **inside)
     finally:
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if callable(getattr(core, "shutdown", None)):
-            core.shutdown()  # free the cores / GPU memory before the next job's engine starts
+        _shutdown(llm)  # free the cores / GPU memory before the next job's engine starts
         del llm
         gc.collect()
 
