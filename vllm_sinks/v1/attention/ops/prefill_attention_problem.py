@@ -143,6 +143,22 @@ def host_length_bound(max_input_len) -> int | None:
     return int(max_input_len)
 
 
+def bound_key(max_input_len):
+    """What of ``max_input_len`` a call signature holds: whether it is an int, a host tensor or a
+    device tensor, not its value (launches keep their grids by bound). The tensor that
+    ``host_length_bound`` read last (MiMo passes one to every layer) was a valid host bound: no
+    attribute read for it."""
+    if isinstance(max_input_len, torch.Tensor):
+        last = _LAST_BOUND
+        if max_input_len is last[0] and max_input_len._version == last[1]:
+            return _SEEN_HOST_BOUND
+        return (max_input_len.numel(), max_input_len.dtype, max_input_len.get_device())
+    return (type(max_input_len), max_input_len >= 0)
+
+
+_SEEN_HOST_BOUND = ("host tensor seen", )
+
+
 def call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
              sliding_window_q, sliding_window_k, sinks, sinks_bias_key0):
     """Everything ``validate`` and the kernels' plans look at, as one flat tuple, or None for an
@@ -150,10 +166,7 @@ def call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softm
     bound is on the host is part of it (that picks the kernel); its value is not (launches keep
     their grids by bound). Built on every call: ~25 attribute reads, nothing more."""
     try:
-        if isinstance(max_input_len, torch.Tensor):
-            mil = (max_input_len.numel(), max_input_len.dtype, max_input_len.get_device())
-        else:
-            mil = (type(max_input_len), max_input_len >= 0)
+        mil = bound_key(max_input_len)
         if sinks is None:
             sink = None
         else:
