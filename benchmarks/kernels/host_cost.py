@@ -159,7 +159,7 @@ def routed_case(calls: int, peers_dir=None):
     lens = torch.full((1,), n, dtype=torch.int32, device="cuda")
     op.use_upstream_op(upstream)
     try:
-        op._ROUTES[op.route_key(q, k, o, lens, n, False, None, None, None)] = upstream
+        op._ROUTES[op.route_key(q, k, lens, n, False, None, None)] = upstream
         times = {"upstream alone": [], "routed op call": []}
         for _ in range(2):
             times["upstream alone"].append(per_call_us(

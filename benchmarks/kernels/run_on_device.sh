@@ -63,7 +63,7 @@ fi
 if [ "$what" != bench ]; then
   t0=$(date +%s)
   # Four workers share the GPU: the time goes into compiling kernel variants, on the CPU.
-  xdist=(); python3 -c 'import xdist' 2>/dev/null && xdist=(-n 4)
+  xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${XDIST_WORKERS:-4}")
   python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" --maxfail=20 tests/gpu \
     2>&1 | tee "$out/gpu-tests.log" | tail -n 15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

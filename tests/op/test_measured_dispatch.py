@@ -97,6 +97,9 @@ def test_bad_input_on_a_routed_shape_is_upstreams_own_behaviour(upstream, monkey
     monkeypatch.setattr(measured_choice, "challenger_wins", lambda default, challenger: (False, 0.9))
     case = _full(seed=5)
     op.context_attention_fwd(*case.call_args(), 9, **case.op_kwargs())
-    kwargs = dict(case.op_kwargs(), softmax_scale=-1.0)  # another route key: ours checks it
+    bad = dict(case.op_kwargs(), softmax_scale=-1.0)
+    op.context_attention_fwd(*case.call_args(), 9, **bad)  # the routed shape: upstream's call
+    assert len(upstream) == 2 and upstream[-1][8] == -1.0
+    other = _full(seed=6, lens=(5, 10))  # a shape not routed: our checks
     with pytest.raises(ValueError, match="softmax_scale"):
-        op.context_attention_fwd(*case.call_args(), 9, **kwargs)
+        op.context_attention_fwd(*other.call_args(), 10, **dict(other.op_kwargs(), softmax_scale=-1.0))

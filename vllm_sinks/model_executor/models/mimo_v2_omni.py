@@ -111,19 +111,25 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> None:
 _LAST_SPLIT: list = [None, -1, None, None, None]  # cu_seqlens, version, starts, lengths, its metadata
 
 
+# Whether the current CUDA stream is capturing a graph: torch's C function where it has one (its
+# Python wrapper is a third of the check's cost); only called for tensors on a CUDA device.
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or \
+    torch.cuda.is_current_stream_capturing
+
+
 def _split_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device):
     """(start offsets, lengths, cu_seqlens' metadata) of ``cu_seqlens``, checked."""
     last = _LAST_SPLIT
     capturing = None
     if cu_seqlens is last[0] and cu_seqlens._version == last[1]:
-        capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = cu_seqlens.is_cuda and _capturing()
         if not capturing:
             return last[2], last[3], last[4]
     _check_cu_seqlens(cu_seqlens, device)
     starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
     meta = (cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.get_device())
     if capturing is None:
-        capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = cu_seqlens.is_cuda and _capturing()
     if not capturing:  # a captured subtraction has not run yet: its lengths are the graph's only
         _LAST_SPLIT[:] = [cu_seqlens, cu_seqlens._version, starts, lengths, meta]
     return starts, lengths, meta
