@@ -103,3 +103,19 @@ def test_bad_input_on_a_routed_shape_is_upstreams_own_behaviour(upstream, monkey
     other = _full(seed=6, lens=(5, 10))  # a shape not routed: our checks
     with pytest.raises(ValueError, match="softmax_scale"):
         op.context_attention_fwd(*other.call_args(), 10, **dict(other.op_kwargs(), softmax_scale=-1.0))
+
+
+def test_ours_failing_during_the_timing_leaves_the_call_to_upstream(upstream, monkeypatch):
+    """A kernel of ours that fails to compile for a shape (Triton 3.7.1's ptxas crashed on D 32 in
+    session 14) must not fail a call upstream's op can run."""
+    def timed(default, challenger):
+        default()
+        challenger()
+
+    monkeypatch.setattr(measured_choice, "challenger_wins", timed)
+    monkeypatch.setattr(op.PortableLaunch, "__call__",
+                        lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("ptxas crashed")))
+    case = _full(seed=7)
+    for _ in range(2):
+        op.context_attention_fwd(*case.call_args(), 9, **case.op_kwargs())
+    assert len(upstream) == 3  # timed once, then the call itself twice
