@@ -239,10 +239,13 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
         chosen = remember(key, plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
                                     softmax_scale, sliding_window_q, sliding_window_k, sinks,
                                     sinks_bias_key0))
-        if chosen.speedup is not None:  # measured: the route key remembers where it went
-            if len(_ROUTES) >= _PLANS_MAX:
-                _ROUTES.clear()
-            _ROUTES[route_key(q, k, b_seq_len, max_input_len, is_causal, sliding_window_q,
-                              sliding_window_k)] = \
-                chosen.upstream.fn if chosen.upstream is not None else None
+        if chosen.speedup is not None:  # measured: the route key remembers upstream's wins only
+            route = route_key(q, k, b_seq_len, max_input_len, is_causal, sliding_window_q,
+                              sliding_window_k)
+            if chosen.upstream is None:
+                _ROUTES.pop(route, None)
+            else:
+                if len(_ROUTES) >= _PLANS_MAX:
+                    _ROUTES.clear()
+                _ROUTES[route] = chosen.upstream.fn
     chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
