@@ -170,10 +170,11 @@ def window_attention_with_sinks(
     key0 = _KEY0_OF.get(semantics) if isinstance(semantics, str) else None
     if key0 is None:
         key0 = parse_sink_semantics(semantics) == KEY0
-    ours = op is None or (_OPS and op is _OPS[0].context_attention_fwd)
-    if not ours:
+    if op is None:
+        op = _our_prefill_op()
+    mod = _OPS[0] if _OPS else _our_op_module()
+    if op is not mod.context_attention_fwd:
         return _through(op, q, k, v, cu_seqlens, max_seqlen, window, sinks, key0, softmax_scale)
-    mod = _our_op_module()
     starts, lengths, cu_meta = _split_cu_seqlens(cu_seqlens, q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     try:
