@@ -48,6 +48,9 @@ class FullShape:
     kv_heads: int | None = None
     #: vLLM 0.33.0's op on the H200, bf16, µs (shared/notes/op-baselines.md, 2026-11-30), if recorded.
     upstream_notes_us: float | None = None
+    #: None: the run's dtype (bf16 on a GPU)
+    dtype: str | None = None
+    is_causal: bool = False
 
     @property
     def tokens(self) -> int:
@@ -77,7 +80,23 @@ FULL_ATTENTION_SHAPES: list[FullShape] = [
     FullShape("mixed lengths", (256, 1024, 4000, 77, 2500), 16, 64, upstream_notes_us=420.0),
     FullShape("encoder 64x512", (512,) * 64, 12, 64, upstream_notes_us=275.0),
     FullShape("encoder 256x128", (128,) * 256, 12, 64, upstream_notes_us=105.0),
+    # Issue 19: shapes nobody listed before (the dispatch is measured per call signature, so any
+    # shape must come out >= 0.97 x upstream): other head dims, head counts, GQA, lengths, batch
+    # mixes, fp16 / fp32, causal, and small host-bound calls.
+    FullShape("tiny 1x64 D64", (64,), 8, 64),
+    FullShape("small 2x300 D96", (300, 300), 12, 96),
+    FullShape("D128 1x4096", (4096,), 16, 128),
+    FullShape("D128 12x577 h12", (577,) * 12, 12, 128),
+    FullShape("D112 3x1500", (1500,) * 3, 14, 112),
+    FullShape("D32 4x2048 h32", (2048,) * 4, 32, 32),
+    FullShape("D256 2x1024 h8", (1024, 1024), 8, 256),
+    FullShape("GQA 32/8 D128 2x2048", (2048, 2048), 32, 128, kv_heads=8),
+    FullShape("ragged D80 (17,900,3100,5)", (17, 900, 3100, 5), 16, 80),
+    FullShape("D72 1x3000 fp16", (3000,), 16, 72, dtype="fp16"),
+    FullShape("D64 2x1024 fp32", (1024, 1024), 16, 64, dtype="fp32"),
+    FullShape("causal D128 2x2048", (2048, 2048), 16, 128, is_causal=True),
 ]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 #: --smoke: tiny shapes for Triton's interpreter (fp32): uneven lengths, a head dim that is not a power of 2.
 SMOKE_SHAPES: list[FullShape] = [
@@ -119,10 +138,14 @@ def measure(s: FullShape, device, dtype, ours, upstream, fa3, bench) -> dict:
         relative_l2,
     )
 
+    if s.dtype is not None and device.type == "cuda":
+        dtype = DTYPES[s.dtype]
+    causal = s.is_causal
     q, k, v, starts, lens = _inputs(s, device, dtype)
-    ref = reference_prefill_attention(q, k, v, starts, lens, is_causal=False, dtype=torch.float32)
+    ref = reference_prefill_attention(q, k, v, starts, lens, is_causal=causal, dtype=torch.float32)
     row = dict(shape=s.name, batch=s.batch, tokens=s.tokens, heads=f"{s.heads}/{s.hkv}", head_dim=s.head_dim,
-               upstream_notes_us=s.upstream_notes_us)
+               upstream_notes_us=s.upstream_notes_us, dtype=str(dtype).replace("torch.", ""),
+               causal=causal)
     max_len = s.max_len  # a Python int, as vLLM's callers pass it (upstream needs one)
 
     def run(name, fn):
@@ -131,21 +154,27 @@ def measure(s: FullShape, device, dtype, ours, upstream, fa3, bench) -> dict:
             fn(o)  # compile + check, before any timing
             row[f"{name}_err"] = relative_l2(o, ref)
             row[f"{name}_us"] = bench(lambda: fn(o))
+            if name in ("upstream", "dispatch") and device.type == "cuda":
+                row[f"{name}_loop_us"] = back_to_back_us(lambda: fn(o))
         except Exception as e:  # noqa: BLE001 - a peer failing must not hide the other numbers
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
 
-    from vllm_sinks.v1.attention.ops.triton_prefill_attention import plan, use_upstream_op
+    from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
 
-    use_upstream_op(None)  # "ours": our kernels only
-    run("ours", lambda o: ours(q, k, v, o, starts, lens, max_len, is_causal=False))
+    op.use_upstream_op(None)  # "ours": our kernels only
+    run("ours", lambda o: ours(q, k, v, o, starts, lens, max_len, is_causal=causal))
     if upstream is not None:
-        run("upstream", lambda o: upstream(q, k, v, o, starts, lens, max_len, is_causal=False))
-        # What the op does where the prefill-op patch registered upstream's op (as in vLLM).
-        use_upstream_op(upstream)
-        row["kernel"] = plan(q, k, v, q, starts, lens, max_len, is_causal=False).kernel
-        run("dispatch", lambda o: ours(q, k, v, o, starts, lens, max_len, is_causal=False))
-        use_upstream_op(None)
-    if fa3 is not None:
+        run("upstream", lambda o: upstream(q, k, v, o, starts, lens, max_len, is_causal=causal))
+        # What the op does where the prefill-op patch registered upstream's op (as in vLLM): its
+        # first call times both and caches the winner (outside the timing, in run's first call).
+        op.use_upstream_op(upstream)
+        run("dispatch", lambda o: ours(q, k, v, o, starts, lens, max_len, is_causal=causal))
+        chosen = op._PLANS.get(op.call_key(q, k, v, q, starts, lens, max_len, causal, None, None,
+                                           None, None, False))
+        if chosen is not None:
+            row["kernel"], row["measured_speedup"] = chosen.kernel, chosen.speedup
+        op.use_upstream_op(None)
+    if fa3 is not None and not causal:
         cu = cu_seqlens_from(starts, lens)
         run("fa3", lambda o: fa3(q, k, v, o, cu, max_len, causal=False))
     del q, k, v, ref
@@ -154,13 +183,29 @@ def measure(s: FullShape, device, dtype, ours, upstream, fa3, bench) -> dict:
     return row
 
 
+def back_to_back_us(fn, calls: int = 100, reps: int = 5) -> float:
+    """µs per call of ``calls`` calls in a row between two synchronisations (best of ``reps``): what
+    an eager caller waits, host cost included (do_bench's L2 flush before each call hides the host
+    cost of a small call)."""
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
 def _f(x, spec="{:.1f}"):
     return "—" if x is None else spec.format(x)
 
 
 def markdown(rows, header: str, with_fa3: bool) -> str:
-    cols = ["shape", "sequences", "tokens", "heads q/kv", "D", "ours µs", "upstream µs",
-            "ours vs upstream (upstream µs / ours µs)", "dispatch: kernel", "dispatch µs",
+    cols = ["shape", "sequences", "tokens", "heads q/kv", "D", "dtype", "ours µs", "upstream µs",
+            "ours vs upstream (upstream µs / ours µs)", "dispatch: kernel (timed ratio)",
+            "dispatch µs", "dispatch vs upstream", "back to back: upstream µs", "dispatch µs",
             "dispatch vs upstream"]
     if with_fa3:
         cols += ["fa3 µs", "ours vs fa3 (fa3 µs / ours µs)"]
@@ -169,9 +214,14 @@ def markdown(rows, header: str, with_fa3: bool) -> str:
     for r in rows:
         ours, up, fa = r.get("ours_us"), r.get("upstream_us"), r.get("fa3_us")
         disp = r.get("dispatch_us")
-        cells = [r["shape"], r["batch"], f"{r['tokens']:,}", r["heads"], str(r["head_dim"]), _f(ours), _f(up),
-                 _f(up / ours if ours and up else None, "{:.2f}×"), r.get("kernel", "—"), _f(disp),
+        kernel = r.get("kernel", "—") + (f" ({r['measured_speedup']:.2f})" if r.get("measured_speedup") else "")
+        cells = [r["shape"], r["batch"], f"{r['tokens']:,}", r["heads"], str(r["head_dim"]),
+                 r.get("dtype", "—") + (", causal" if r.get("causal") else ""), _f(ours), _f(up),
+                 _f(up / ours if ours and up else None, "{:.2f}×"), kernel, _f(disp),
                  _f(up / disp if disp and up else None, "{:.2f}×")]
+        up_loop, disp_loop = r.get("upstream_loop_us"), r.get("dispatch_loop_us")
+        cells += [_f(up_loop), _f(disp_loop), _f(up_loop / disp_loop if up_loop and disp_loop else None,
+                                                "{:.2f}×")]
         if with_fa3:
             cells += [_f(fa), _f(fa / ours if ours and fa else None, "{:.2f}×")]
         cells += [_f(r.get("upstream_notes_us")), _f(r.get("ours_err"), "{:.2e}"),

@@ -16,6 +16,8 @@ launch is planned as on an sm_90 GPU (its platform gate is lifted for the run). 
 - plan launch: the chosen launch object (``WalkLaunch`` / ``PortableLaunch``) on this call's tensors;
 - launcher: ``DirectLauncher`` alone (alignment, hooks, stream, the compiled launcher);
 - triton run: Triton's ``CudaLauncher.__call__`` alone (what the launcher called before session 11).
+
+Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (wrapper and op).
 """
 
 from __future__ import annotations
@@ -102,6 +104,26 @@ def case(name, tokens, hq, hkv, bound, kwargs, calls, walk: bool):
     return chosen.kernel, rows
 
 
+def mimo_layer_us(calls: int) -> float:
+    """One MiMo window layer as the patched ``_forward_window_attn`` runs it (sinks of this rank,
+    the wrapper, the op), a signature seen before: 1 × 4096 tokens, 32/8 heads, D 64, window 64,
+    ``max_seqlen`` a host tensor and ``cu_seqlens`` one tensor for every layer, as MiMo passes them."""
+    from vllm_sinks.model_executor.models.mimo_v2_omni import make_forward_window_attn
+
+    gw.walk_unavailable, gw._sm_count = (lambda device: None), (lambda device: 132)
+    op.on_nvidia_gpu = lambda device: True  # the op plans the Hopper kernel, as on an sm_90 GPU
+    qkv = torch.randn(4096, 48, 64).bfloat16()  # fused projection: q, k, v are views
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    attn = types.SimpleNamespace(sinks=torch.randn(32), num_heads_per_partition=32, tp_rank=0,
+                                 tp_size=1, visual_token_window_size=64, scale=64 ** -0.5)
+    forward = make_forward_window_attn("key0")
+    cu, max_seqlen = torch.tensor([0, 4096], dtype=torch.int32), torch.tensor(4096)
+    us = per_call_us(lambda: forward(attn, q, k, v, cu, max_seqlen), calls)
+    kernels = {chosen.kernel for key, chosen in op._PLANS.items() if key[0] == "window_attention_with_sinks"}
+    assert kernels == {"walk"}, kernels
+    return us
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=20000)
@@ -111,8 +133,11 @@ def main(argv=None):
         results = [(label,) + case(*spec, args.calls, walk=walk)
                    for label, *spec, walk in host_cases(torch.randn(32) * 2)
                    if gw._LAUNCHER is not None or not walk]  # no Gluon here: the portable row
+        layer = mimo_layer_us(args.calls) if gw._LAUNCHER is not None else float("nan")
     print_table(f"Python per call (C launch a no-op), CPU, torch {torch.__version__}, "
                 f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 2)
+    print(f"\nMiMo window layer as the patched _forward_window_attn runs it (wrapper + op, fused-QKV "
+          f"views, CPU tensors): {layer:.2f} µs per call")
 
 
 if __name__ == "__main__":

@@ -2,15 +2,17 @@
 # On the lent GPU machine (torch + triton + pytest there, no vLLM): the op's GPU tests and the
 # benchmark table, in one call. Writes logs and tables under $OUT (default out/device).
 #
-#   bash benchmarks/kernels/run_on_device.sh            # GPU tests + benchmark table
+#   bash benchmarks/kernels/run_on_device.sh            # GPU tests + benchmark tables (op cases,
+#                                                       # full attention, MiMo pass, host cost)
 #   bash benchmarks/kernels/run_on_device.sh tune       # GPU tests + tile-shape sweep + table
 #   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only
 #   bash benchmarks/kernels/run_on_device.sh bench      # table only
 #   bash benchmarks/kernels/run_on_device.sh profile    # ncu of the default shape + code dump + sweep
 #
 # TRITON_TARBALL=.gpu/triton-3.7.1-slim.tar.xz runs everything under that Triton instead of the
-# machine's (a slimmed Triton wheel, packed outside this repo; carry it): users have 3.7.1 (vLLM 0.27-0.32)
-# and 3.8.x (0.33), the machine 3.6. The benchmarks' peers come from benchmarks/kernels/fetch_peers.sh
+# machine's (a slimmed Triton wheel, packed outside this repo; carry it): users have 3.7.1 (vLLM 0.27-0.32),
+# 3.8.x (0.33) and 3.9.0 (the vLLM on torch 2.15), the machine 3.6. The benchmarks' peers come from
+# benchmarks/kernels/fetch_peers.sh
 # (carry .gpu/peers).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,9 +22,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${TRITON_TARBALL:-}" ]; then
   slim=/tmp/triton-slim; rm -rf "$slim"; mkdir -p "$slim"; tar -xJf "$TRITON_TARBALL" -C "$slim"
   export PYTHONPATH="$slim:$PYTHONPATH"
-  # A slim build without its own ptxas uses the machine's (CUDA 13).
-  [ -x "$slim/triton/backends/nvidia/bin/ptxas" ] || \
+  # A slim build without its own ptxas uses the machine's (CUDA 13); from Triton 3.9 on, sm_90
+  # compiles with the one TRITON_PTXAS_BLACKWELL_PATH names.
+  if [ ! -x "$slim/triton/backends/nvidia/bin/ptxas" ]; then
     export TRITON_PTXAS_PATH=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
+    export TRITON_PTXAS_BLACKWELL_PATH=$TRITON_PTXAS_PATH
+  fi
 fi
 what=${1:-all}
 status=0
@@ -58,7 +63,7 @@ fi
 if [ "$what" != bench ]; then
   t0=$(date +%s)
   # Four workers share the GPU: the time goes into compiling kernel variants, on the CPU.
-  xdist=(); python3 -c 'import xdist' 2>/dev/null && xdist=(-n 4)
+  xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${XDIST_WORKERS:-4}")
   python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" --maxfail=20 tests/gpu \
     2>&1 | tee "$out/gpu-tests.log" | tail -n 15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -75,6 +80,8 @@ t0=$(date +%s)
 python3 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}" --out "$out" 2>&1 | tee "$out/bench.log" | grep -v -i warn | tail -n 40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out" 2>&1 | tee "$out/full.log" | grep -v -i warn | tail -n 14
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+python3 benchmarks/kernels/benchmark_mimo_pass.py --out "$out" 2>&1 | tee "$out/mimo-pass.log" | grep -v -i warn | tail -n 8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 benchmarks/kernels/host_cost.py 2>&1 | tee "$out/host.log" | grep -v -i warn | tail -n 12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -111,3 +111,39 @@ def test_no_host_sync_on_max_seqlen():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert relative_l2(outs[0], outs[1]) <= 2 * BF16_BOUND  # each within the floor of the truth
+
+
+def test_a_captured_layer_replays_like_eager_calls_with_new_lengths():
+    """The wrapper's seen-signature path (its plan and its cu_seqlens split cached by eager calls)
+    inside a CUDA graph: the graph holds its own split, so new lengths written into cu_seqlens are
+    what a replay uses (a split cached from before the capture would be stale), and eager calls after
+    the capture split again."""
+    from vllm_sinks.model_executor.models.mimo_v2_omni import window_attention_with_sinks
+    from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
+        reference_prefill_attention,
+        relative_l2,
+    )
+
+    q, k, v, sinks, cu = _case((1024, 3072), seed=7)
+    bound = torch.tensor(4096)
+
+    def layer():
+        return window_attention_with_sinks(q, k, v, cu, bound, WINDOW, sinks, "key0")
+
+    def ref():
+        return reference_prefill_attention(q, k, v, cu[:-1], cu[1:] - cu[:-1], is_causal=False,
+                                           sliding_window_q=WINDOW, sliding_window_k=WINDOW,
+                                           sinks=sinks, sinks_bias_key0=True, dtype=torch.float32)
+
+    eager = layer()  # plan and split cached
+    layer()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for lengths in ((2048, 2048), (100, 3996)):
+        cu.copy_(torch.tensor([0, lengths[0], 4096], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_l2(out, ref()) < BF16_BOUND
+        assert torch.equal(out, layer())  # eager, after the capture: the same bits
+    assert relative_l2(eager, ref()) > SINK_EFFECT_FLOOR  # the lengths did change

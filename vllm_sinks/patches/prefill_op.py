@@ -99,10 +99,11 @@ def _not_cuda() -> str | None:
 
 
 def _hand_back_faster_calls(ours, upstream) -> None:
-    """Give our front door upstream's op for the calls that run faster there (``UPSTREAM_FASTER``:
-    full attention at the head dims where upstream measured faster), so the patch never makes a
-    call it takes slower. Only on CUDA, where that was measured (forced elsewhere, ours takes every
-    call), and only where ``ours`` is our front door (tests stand in other functions)."""
+    """Give our front door upstream's op for the calls it can take (full attention), which then go
+    to whichever of the two measures faster on each call signature (``measured_choice``), so the
+    patch never makes a call it takes slower. Only on CUDA, where that was measured (forced
+    elsewhere, ours takes every call), and only where ``ours`` is our front door (tests stand in
+    other functions)."""
     from vllm_sinks.v1.attention.ops import triton_prefill_attention
 
     if ours is triton_prefill_attention.context_attention_fwd and _not_cuda() is None:

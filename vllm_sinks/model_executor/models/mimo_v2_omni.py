@@ -53,11 +53,20 @@ def describe_semantics(semantics: str) -> str:
     return f"sinks as null logit ({SEMANTICS_ENV}={NULL}, opt-in)"
 
 
-def _our_prefill_op() -> PrefillOp:
-    # Lazy: importing Triton costs time and the op module is not needed to parse settings.
-    from vllm_sinks.v1.attention.ops.triton_prefill_attention import context_attention_fwd
+_OPS: list = []  # [our op's module, the module of its call checks], imported at the first call
 
-    return context_attention_fwd
+
+def _our_op_module():
+    # Lazy: importing Triton costs time and the op module is not needed to parse settings.
+    if not _OPS:
+        from vllm_sinks.v1.attention.ops import prefill_attention_problem, triton_prefill_attention
+
+        _OPS[:] = [triton_prefill_attention, prefill_attention_problem]
+    return _OPS[0]
+
+
+def _our_prefill_op() -> PrefillOp:
+    return _our_op_module().context_attention_fwd
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -74,11 +83,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head dims differ: {q.shape[2]} vs {k.shape[2]}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; "
-                         f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+    _check_cu_seqlens(cu_seqlens, q.device)
     # The op reads a window of 0 as "no window" (full attention): refuse it rather than widen it.
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int (tokens each side); got {window!r}")
@@ -87,6 +92,53 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
             raise ValueError(f"sinks must be [query heads] = [{q.shape[1]}]; got {tuple(sinks.shape)}")
         if sinks.device != q.device:
             raise ValueError(f"sinks are on {sinks.device}, q on {q.device}")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {device}")
+
+
+# The last cu_seqlens split into start offsets and lengths: the vision tower passes one tensor to
+# all 24 window layers of a pass, and the split costs three tensor ops, one of them a kernel launch
+# (~10 µs of CPU per layer). Keyed by the object and its version counter (an in-place write bumps
+# it); never reused inside CUDA-graph capture (the graph must hold its own subtraction).
+_LAST_SPLIT: list = [None, -1, None, None, None]  # cu_seqlens, version, starts, lengths, its metadata
+
+
+# Whether the current CUDA stream is capturing a graph: torch's C function where it has one (its
+# Python wrapper is a third of the check's cost); only called for tensors on a CUDA device.
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or \
+    torch.cuda.is_current_stream_capturing
+
+
+def _split_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device):
+    """(start offsets, lengths, cu_seqlens' metadata) of ``cu_seqlens``, checked."""
+    last = _LAST_SPLIT
+    capturing = None
+    if cu_seqlens is last[0] and cu_seqlens._version == last[1]:
+        capturing = cu_seqlens.is_cuda and _capturing()
+        if not capturing:
+            return last[2], last[3], last[4]
+    _check_cu_seqlens(cu_seqlens, device)
+    starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+    meta = (cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.get_device())
+    if capturing is None:
+        capturing = cu_seqlens.is_cuda and _capturing()
+    if not capturing:  # a captured subtraction has not run yet: its lengths are the graph's only
+        _LAST_SPLIT[:] = [cu_seqlens, cu_seqlens._version, starts, lengths, meta]
+    return starts, lengths, meta
+
+
+_KEY0_OF = {KEY0: True, NULL: False}
+#: First field of the wrapper's call keys in the op's plan cache (the op's own keys start with a
+#: shape: the two never collide).
+_WRAPPER_KEY = "window_attention_with_sinks"
 
 
 def window_attention_with_sinks(
@@ -109,16 +161,55 @@ def window_attention_with_sinks(
     the host (read there). Query i of a
     sequence sees keys j of the same sequence with ``|i - j| <= window``. ``sinks`` [Hq] are this
     rank's heads. ``op`` defaults to vllm-sinks' Triton prefill op. Returns [T, Hq, Dv].
+
+    With our op, a call signature seen before costs one key and one launch: the checks run on its
+    first call (here and in the op's ``plan``), the cu_seqlens split once per tensor
+    (``_split_cu_seqlens``), and the plan is cached by this function's own key (what the op's key
+    would hold: o and the offsets derive from q and cu_seqlens).
     """
-    semantics = parse_sink_semantics(semantics)
+    key0 = _KEY0_OF.get(semantics) if isinstance(semantics, str) else None
+    if key0 is None:
+        key0 = parse_sink_semantics(semantics) == KEY0
+    if op is None:
+        op = _our_prefill_op()
+    mod = _OPS[0] if _OPS else _our_op_module()
+    if op is not mod.context_attention_fwd:
+        return _through(op, q, k, v, cu_seqlens, max_seqlen, window, sinks, key0, softmax_scale)
+    starts, lengths, cu_meta = _split_cu_seqlens(cu_seqlens, q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    try:
+        key = (_WRAPPER_KEY, q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), cu_meta,
+               None if sinks is None else (sinks.shape, sinks.stride(), sinks.dtype, sinks.get_device()),
+               _OPS[1].bound_key(max_seqlen), type(window), window, key0, softmax_scale)
+        chosen = mod._PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, unhashable arguments: the checks say what
+        key = chosen = None
+    if chosen is None:
+        _check_inputs(q, k, v, cu_seqlens, window, sinks)
+        max_seqlen = _bound_on_host(max_seqlen, q.device)
+        chosen = mod.remember(key, mod.plan(q, k, v, out, starts, lengths, max_seqlen, False,
+                                            softmax_scale, window, window, sinks, key0))
+    chosen(q, k, v, out, starts, lengths, sinks, max_seqlen)
+    return out
+
+
+def _bound_on_host(max_seqlen, device: torch.device):
+    """A tensor bound on q's device or the host (read there by the op, no sync); another device's
+    is refused."""
+    if isinstance(max_seqlen, torch.Tensor) and max_seqlen.device != device and \
+            max_seqlen.device.type != "cpu":
+        raise ValueError(f"max_seqlen is on {max_seqlen.device}, q on {device}")
+    return max_seqlen
+
+
+def _through(op, q, k, v, cu_seqlens, max_seqlen, window, sinks, key0, softmax_scale):
+    """The call through another op (upstream's, a test's stand-in): every check on every call."""
     _check_inputs(q, k, v, cu_seqlens, window, sinks)
     if isinstance(max_seqlen, torch.Tensor) and max_seqlen.device != q.device:
-        if max_seqlen.device.type != "cpu":
-            raise ValueError(f"max_seqlen is on {max_seqlen.device}, q on {q.device}")
-        # MiMo's tower derives it from grid_thw, which stays on the host: reading host memory costs
-        # no device sync, and the op wants every tensor argument on q's device.
+        _bound_on_host(max_seqlen, q.device)
+        # Other ops want every tensor argument on q's device: read a host bound here (no sync).
         max_seqlen = int(max_seqlen)
-    op = op or _our_prefill_op()
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     op(
         q,
@@ -133,7 +224,7 @@ def window_attention_with_sinks(
         sliding_window_q=window,
         sliding_window_k=window,
         sinks=sinks,
-        sinks_bias_key0=semantics == KEY0,
+        sinks_bias_key0=key0,
     )
     return out
 
@@ -176,7 +267,10 @@ def attention_sinks_for_rank(attn: Any) -> torch.Tensor | None:
     sinks = getattr(attn, "sinks", None)
     if sinks is None:
         return None
-    return sinks_for_partition(sinks, attn.num_heads_per_partition, vit_partition_rank(attn))
+    heads = attn.num_heads_per_partition
+    if sinks.dim() == 1 and sinks.shape[0] == heads:  # this rank's heads already (per call: cheap)
+        return sinks
+    return sinks_for_partition(sinks, heads, vit_partition_rank(attn))
 
 
 def make_forward_window_attn(semantics: str, resolve_op: Callable[[], PrefillOp] | None = None):

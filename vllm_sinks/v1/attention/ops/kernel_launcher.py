@@ -40,14 +40,16 @@ except ImportError:  # pragma: no cover - older Triton: always the slow path
     _knobs = None
 
 _MAX_ENTRIES = 1024
+# Triton's runtime settings object (one per process; its hooks are read per launch).
+_RUNTIME = getattr(_knobs, "runtime", None)
 
 
 def _hooks_set() -> bool:
     """Whether a launch hook (a profiler) is installed. Triton 3.6 – 3.8 keep an empty
     ``HookChain`` there by default: a chain without calls is no hook."""
-    if _knobs is None:
+    runtime = _RUNTIME
+    if runtime is None:
         return True
-    runtime = _knobs.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     return bool((enter is not None and getattr(enter, "calls", True)) or
                 (leave is not None and getattr(leave, "calls", True)))

@@ -124,7 +124,7 @@ def stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len) -> tuple:
 # The last CPU tensor read as a length bound: MiMo's vision tower passes one tensor to every layer,
 # and reading it costs ~3 µs of CPU per call. Keyed by the object and its version counter (an
 # in-place write bumps it), and the reference held here keeps the object's identity unique.
-_LAST_BOUND: list = [None, -1, None]
+_LAST_BOUND: list = [None, -1, None, None]  # tensor, version, value, its bound_key
 
 
 def host_length_bound(max_input_len) -> int | None:
@@ -138,9 +138,22 @@ def host_length_bound(max_input_len) -> int | None:
         if max_input_len.device.type != "cpu":
             return None
         value = int(max_input_len)
-        _LAST_BOUND[:] = [max_input_len, max_input_len._version, value]
+        _LAST_BOUND[:] = [max_input_len, max_input_len._version, value,
+                          (max_input_len.numel(), max_input_len.dtype, -1)]
         return value
     return int(max_input_len)
+
+
+def bound_key(max_input_len):
+    """What of ``max_input_len`` a call signature holds: whether it is an int, a host tensor or a
+    device tensor, not its value (launches keep their grids by bound). The tensor that
+    ``host_length_bound`` read last (MiMo passes one to every layer): its key kept from then."""
+    if isinstance(max_input_len, torch.Tensor):
+        last = _LAST_BOUND
+        if max_input_len is last[0] and max_input_len._version == last[1]:
+            return last[3]
+        return (max_input_len.numel(), max_input_len.dtype, max_input_len.get_device())
+    return (type(max_input_len), max_input_len >= 0)
 
 
 def call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
@@ -150,10 +163,7 @@ def call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softm
     bound is on the host is part of it (that picks the kernel); its value is not (launches keep
     their grids by bound). Built on every call: ~25 attribute reads, nothing more."""
     try:
-        if isinstance(max_input_len, torch.Tensor):
-            mil = (max_input_len.numel(), max_input_len.dtype, max_input_len.get_device())
-        else:
-            mil = (type(max_input_len), max_input_len >= 0)
+        mil = bound_key(max_input_len)
         if sinks is None:
             sink = None
         else:

@@ -35,7 +35,9 @@ softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None, si
   is never read from the device: an int or a CPU tensor sizes the launch grid (a bound that is too
   small costs time, never output), while a device tensor makes each program find its sequence and
   tile on the device. Either way a call costs no device→host sync and can be captured in a CUDA
-  graph — except where it goes to upstream's op (below), which is upstream's own behaviour.
+  graph — except where it goes to upstream's op (below), which is upstream's own behaviour, and
+  the first call of a signature that upstream's op may take, where both ops are timed (once per
+  process; never inside graph capture).
 - fp16, bf16 and fp32 inputs (fp32 dots run in IEEE fp32, not tf32); head dims 1–256.
 
 Bad input raises ``ValueError`` saying what is wrong. What cannot be checked without a sync (start
@@ -48,11 +50,14 @@ Each kernel's ``plan`` says whether it takes a call; the first that does, in thi
 
 1. ``gluon_window_attention.WalkLaunch`` — sliding windows on an NVIDIA Hopper GPU (Gluon);
 2. ``UpstreamLaunch`` — upstream vLLM's own op, where the vllm-sinks patch registered it
-   (``use_upstream_op``) and the benchmark table says it is faster (``UPSTREAM_FASTER``);
+   (``use_upstream_op``), for the calls it can take (``upstream_may_take``: full attention) when
+   it measured faster than ours on this call signature (``measured_choice``: both timed once, the
+   first time the signature is seen; upstream unless ours is faster by a margin);
 3. ``prefill_attention_portable.PortableLaunch`` — the portable Triton kernel: every call.
 
 A call signature (shapes, strides, dtypes, devices, arguments) is validated and planned once; later
-calls with it go straight to the chosen launch.
+calls with it go straight to the chosen launch. Calls that upstream's op measured faster on are
+recognised by a shorter key (``route_key``) and handed over before any of ours runs.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
+from vllm_sinks.v1.attention.ops import measured_choice
 from vllm_sinks.v1.attention.ops.prefill_attention_portable import PortableLaunch
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     Problem,
@@ -72,30 +78,26 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
 if TYPE_CHECKING:
     from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 
-# ---- upstream's op, where it is the faster one ----------------------------------------------------
+# ---- upstream's op, where it measured faster ----------------------------------------------------
 
 _UPSTREAM: list = []  # [upstream's context_attention_fwd], set by the prefill-op patch
 
 
 def use_upstream_op(fn: Callable | None) -> None:
-    """Let calls that upstream's op runs faster (``UPSTREAM_FASTER``) go to ``fn`` (upstream vLLM's
-    ``context_attention_fwd``, which the prefill-op patch replaces); None: never."""
+    """Let calls that upstream's op can take (``upstream_may_take``) go to ``fn`` (upstream vLLM's
+    ``context_attention_fwd``, which the prefill-op patch replaces) where it measures faster; None:
+    never."""
     _UPSTREAM[:] = [fn] if fn is not None else []
     _PLANS.clear()
+    _ROUTES.clear()
 
 
-#: Head dims at which our portable kernel beat upstream's op on full attention in the same run
-#: (docs/benchmarks.md, "Full attention": SigLIP-like D 72 1.5–1.8 ×, InternViT-like D 128 1.05–1.1 ×).
-OURS_FASTER_FULL_ATTENTION_HEAD_DIMS = (72, 128)
-
-
-def UPSTREAM_FASTER(p: Problem) -> bool:
-    """Calls that go to upstream's op: plain attention (no window, no sink) in fp16/bf16, except at
-    the head dims where ours measured faster. Upstream's 128-row tiles beat ours at D 64 and 80
-    (0.71–0.98 ×); shapes nobody measured go to upstream too, so the patch is never slower there.
-    fp32 stays ours (upstream's dots run in TF32; ours in IEEE fp32)."""
-    return p.full_attention and p.dtype == p.out_dtype and p.dtype.itemsize == 2 and \
-        p.head_dim not in OURS_FASTER_FULL_ATTENTION_HEAD_DIMS
+def upstream_may_take(p: Problem) -> bool:
+    """Calls upstream's op runs with our semantics on every supported release: plain attention (no
+    window, no sink), output in the input dtype. Which of the two runs such a call is measured
+    (``measured_choice``), per call signature. (In fp32 upstream's dots run in TF32, ours in IEEE
+    fp32: where upstream is chosen, the call gets exactly what vLLM without the plugin gives.)"""
+    return p.full_attention and p.dtype == p.out_dtype and not p.empty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +114,7 @@ class UpstreamLaunch:
 
     @classmethod
     def plan(cls, p: Problem, args: tuple):
-        if not _UPSTREAM or not UPSTREAM_FASTER(p):
+        if not _UPSTREAM or not upstream_may_take(p):
             return None
         return cls(_UPSTREAM[0], *args[7:11])
 
@@ -126,11 +128,15 @@ class UpstreamLaunch:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The launches that take one call signature, first choice first (a Hopper launch keeps the
-    portable one as its fallback, for a variant that fails to compile)."""
+    portable one as its fallback, for a variant that fails to compile). ``measured``: False for a
+    choice made without timing (in graph capture or tracing), which is not cached."""
 
     walk: WalkLaunch | None
     upstream: UpstreamLaunch | None
     portable: PortableLaunch
+    measured: bool = True
+    #: upstream's time / ours, where the choice was timed (for the benchmark's table)
+    speedup: float | None = None
 
     @property
     def kernel(self) -> str:
@@ -149,7 +155,9 @@ class Plan:
 
 def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, softmax_scale=None,
          sliding_window_q=None, sliding_window_k=None, sinks=None, sinks_bias_key0=False) -> Plan:
-    """Validate a call (``context_attention_fwd``'s arguments) and choose its kernel."""
+    """Validate a call (``context_attention_fwd``'s arguments) and choose its kernel. Where
+    upstream's op may take the call too, both run on these tensors (``o`` is written) and the
+    faster is chosen (``measured_choice``)."""
     args = (q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
             sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     p = validate(*args)
@@ -161,15 +169,49 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
         from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 
         walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
-    return Plan(walk,
-                UpstreamLaunch.plan(p, args),
-                PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks))
+    ours = Plan(walk, None, PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks))
+    upstream = UpstreamLaunch.plan(p, args)
+    if upstream is None:
+        return ours
+    theirs = Plan(None, upstream, ours.portable)
+    if not measured_choice.may_measure(p.device):
+        return dataclasses.replace(theirs, measured=False)  # upstream's own behaviour; not cached
+    try:
+        ours_wins, speedup = measured_choice.challenger_wins(
+            lambda: theirs(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len),
+            lambda: ours(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len))
+    except Exception:  # noqa: BLE001 - ours failed (a ptxas crash: D 32 under 3.7.1's, session 14)
+        # or upstream did (then its own call raises the same again): upstream's behaviour
+        ours_wins, speedup = False, float("nan")
+    return dataclasses.replace(ours if ours_wins else theirs, speedup=speedup)
 
 
 # Plans by call signature: a ViT calls the op with the same shapes in every layer, and the checks
 # and planning cost ~20 µs of Python, more than the kernel on small inputs.
 _PLANS: dict = {}
 _PLANS_MAX = 512
+# Calls upstream's op measured faster on, by route key (``route_key``: fewer fields than a call
+# signature, so that a call going to upstream costs ~1 µs of ours on top of upstream's own call).
+_ROUTES: dict = {}
+
+
+def route_key(q, k, b_seq_len, max_input_len, is_causal, sliding_window_q, sliding_window_k):
+    """What decides which op is faster on a call without sinks: shapes, dtype, the length bound
+    when an int, causality and windows; not strides, devices, the output's dtype or the scale
+    (upstream's op takes any: a routed call is upstream's own). ``context_attention_fwd`` builds
+    the same tuple inline (a function call is a fifth of the budget of a routed call)."""
+    return (q.shape, k.shape, q.dtype, b_seq_len.shape,
+            max_input_len if type(max_input_len) is int else None, is_causal, sliding_window_q,
+            sliding_window_k)
+
+
+def remember(key, chosen: Plan) -> Plan:
+    """Cache a plan under a call key (None: not cacheable) unless its choice was not measured."""
+    if key is not None and chosen.measured:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = chosen
+    return chosen
 
 
 def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True,
@@ -179,14 +221,31 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
 
     See the module docstring for the semantics. Raises ``ValueError`` on bad input.
     """
+    if _ROUTES and sinks is None:  # a call upstream's op measured faster on: straight there
+        try:  # route_key, inline
+            upstream = _ROUTES.get((q.shape, k.shape, q.dtype, b_seq_len.shape,
+                                    max_input_len if type(max_input_len) is int else None,
+                                    is_causal, sliding_window_q, sliding_window_k))
+        except (AttributeError, TypeError):  # not tensors, unhashable arguments: validate says
+            upstream = None
+        if upstream is not None:
+            upstream(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
+                     sliding_window_q, sliding_window_k)
+            return
     key = call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
                    sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     chosen = _PLANS.get(key) if key is not None else None
     if chosen is None:
-        chosen = plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
-                      sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
-        if key is not None:
-            if len(_PLANS) >= _PLANS_MAX:
-                _PLANS.clear()
-            _PLANS[key] = chosen
+        chosen = remember(key, plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
+                                    softmax_scale, sliding_window_q, sliding_window_k, sinks,
+                                    sinks_bias_key0))
+        if chosen.speedup is not None:  # measured: the route key remembers upstream's wins only
+            route = route_key(q, k, b_seq_len, max_input_len, is_causal, sliding_window_q,
+                              sliding_window_k)
+            if chosen.upstream is None:
+                _ROUTES.pop(route, None)
+            else:
+                if len(_ROUTES) >= _PLANS_MAX:
+                    _ROUTES.clear()
+                _ROUTES[route] = chosen.upstream.fn
     chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)

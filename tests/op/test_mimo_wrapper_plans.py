@@ -1,0 +1,77 @@
+"""The MiMo window wrapper with our op: a seen call signature skips the checks and the cu_seqlens
+split, and still computes what the reference does; what changes the call is re-checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.op.prefill_op_cases import DEVICE
+from vllm_sinks.model_executor.models import mimo_v2_omni as fork
+from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
+    reference_prefill_attention,
+    relative_l2,
+)
+
+
+def _inputs(seed, lens=(7, 12), hq=4, hkv=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(sum(lens), hq + 2 * hkv, d, generator=g).to(DEVICE)  # fused: q, k, v views
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu, (torch.randn(hq, generator=g) * 2).to(DEVICE)
+
+
+def _ref(q, k, v, cu, window, sinks, key0=True):
+    return reference_prefill_attention(q, k, v, cu[:-1], cu[1:] - cu[:-1], is_causal=False,
+                                       sliding_window_q=window, sliding_window_k=window,
+                                       sinks=sinks, sinks_bias_key0=key0, dtype=torch.float32)
+
+
+def test_seen_signature_runs_without_checks_and_stays_right(monkeypatch):
+    q, k, v, cu, sinks = _inputs(0)
+    bound = torch.tensor(12)
+    first = fork.window_attention_with_sinks(q, k, v, cu, bound, 3, sinks)
+    assert relative_l2(first, _ref(q, k, v, cu, 3, sinks)) < 1e-5
+    calls = []
+    monkeypatch.setattr(fork, "_check_inputs", lambda *a: calls.append(a))
+    monkeypatch.setattr(op, "plan", lambda *a: pytest.fail("planned again"))
+    q2, k2, v2, _, s2 = _inputs(1)  # new data, same signature, same cu_seqlens and bound objects
+    out = fork.window_attention_with_sinks(q2, k2, v2, cu, bound, 3, s2)
+    assert calls == [] and relative_l2(out, _ref(q2, k2, v2, cu, 3, s2)) < 1e-5
+
+
+def test_cu_seqlens_written_in_place_is_split_again():
+    q, k, v, cu, sinks = _inputs(2)
+    fork.window_attention_with_sinks(q, k, v, cu, 12, 3, sinks)
+    cu.copy_(torch.tensor([0, 12, 19], dtype=torch.int32))  # same object, new lengths (12, 7)
+    out = fork.window_attention_with_sinks(q, k, v, cu, 12, 3, sinks)
+    assert relative_l2(out, _ref(q, k, v, cu, 3, sinks)) < 1e-5
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(window=True), "window must be a positive int"),
+    (dict(window=0), "window must be a positive int"),
+    (dict(cu_seqlens=torch.tensor([5], dtype=torch.int32)), "cu_seqlens must be a 1-D integer"),
+    (dict(sinks=torch.zeros(3)), r"sinks must be \[query heads\]"),
+    (dict(semantics="both"), "expected key0"),
+])
+def test_a_changed_argument_is_checked_even_after_a_seen_call(bad, match):
+    q, k, v, cu, sinks = _inputs(3)
+    args = dict(q=q, k=k, v=v, cu_seqlens=cu, max_seqlen=12, window=1, sinks=sinks)
+    fork.window_attention_with_sinks(**args)  # seen: window 1, these shapes
+    if "sinks" in bad or "cu_seqlens" in bad:
+        bad = {n: t.to(DEVICE) for n, t in bad.items()}
+    with pytest.raises(ValueError, match=match):
+        fork.window_attention_with_sinks(**(args | bad))
+
+
+def test_null_semantics_and_no_sinks_are_their_own_signatures():
+    q, k, v, cu, sinks = _inputs(4)
+    key0 = fork.window_attention_with_sinks(q, k, v, cu, 12, 3, sinks, "key0")
+    null = fork.window_attention_with_sinks(q, k, v, cu, 12, 3, sinks, "null")
+    none = fork.window_attention_with_sinks(q, k, v, cu, 12, 3, None)
+    assert relative_l2(key0, _ref(q, k, v, cu, 3, sinks, True)) < 1e-5
+    assert relative_l2(null, _ref(q, k, v, cu, 3, sinks, False)) < 1e-5
+    assert relative_l2(none, _ref(q, k, v, cu, 3, None)) < 1e-5
