@@ -34,8 +34,9 @@ wgmma, so this one can:
   blocks get one compare each (~8 % fewer instructions per tile). Shorter tiles (``gp`` > 4) read
   the parity per tile and compare the block left over on both sides.
 
-Gluon's API moves between Triton releases. The kernel uses only what 3.6, 3.7 and 3.8 share, plus
-one alias (the CTA barrier: ``gl.thread_barrier`` in 3.6, ``gl.barrier`` from 3.7). A ring view is
+Gluon's API moves between Triton releases. The kernel uses only what 3.6 – 3.9 share, and takes
+every Gluon name from ``gluon_api``, which maps the renames (the CTA barrier; ``async_load``, which
+3.9 requires).  A ring view is
 one slot (``index``) or one pair of slots from a reinterpretation of the whole ring as
 ``[NS / 2, 32, 64]``: 3.8 no longer lets a view reach past what it was indexed from, which the 3.6
 kernel's multi-slot views did (kernel log, runs 10 and 11).
@@ -53,6 +54,12 @@ import warnings
 import torch
 import triton
 
+# Every Gluon name comes from gluon_api, which maps them across Triton releases (None without Gluon).
+from vllm_sinks.v1.attention.ops.gluon_api import IMPORT_ERROR as GLUON_IMPORT_ERROR
+from vllm_sinks.v1.attention.ops.gluon_api import (async_load, commit_group, cta_barrier,
+                                                   fence_async_shared, gl, gluon, reinterpret,
+                                                   wait_group,
+                                                   warpgroup_mma, warpgroup_mma_wait)
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     BLOCK_KEYS,
@@ -69,19 +76,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
 )
 
 #: Triton releases whose GPU tests of this kernel passed (tests/gpu/test_window_walk_gpu.py).
-TESTED_TRITON = ("3.6.", "3.7.", "3.8.")
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
-    # The CTA barrier: renamed in Triton 3.7 (3.7 and 3.8 have no thread_barrier).
-    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-    GLUON_IMPORT_ERROR: str | None = None
-except Exception as e:  # noqa: BLE001 - any failure means "no fast path", said by walk_unavailable()
-    gluon = None
-    GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+TESTED_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
 
 ROWS = 64  # score rows per tile: one wgmma M for one warpgroup
 HEAD_DIM = 64
@@ -171,9 +166,9 @@ if gluon is not None:
         col_layout: gl.constexpr = gl.SliceLayout(0, k_off.type.layout.parent)
         cols = gl.expand_dims(gl.arange(0, ring_k.shape[2], layout=col_layout), 0)
         slot = kb % NS
-        async_copy.async_copy_global_to_shared(
+        async_load(
             ring_k.index(slot), k_seq + first * stride_kt + (gl.expand_dims(k_off, 1) + cols), mask)
-        async_copy.async_copy_global_to_shared(
+        async_load(
             ring_v.index(slot), v_seq + first * stride_vt + (gl.expand_dims(v_off, 1) + cols), mask)
 
     @gluon.jit
@@ -184,7 +179,7 @@ if gluon is not None:
         col_layout: gl.constexpr = gl.SliceLayout(0, q_off.type.layout.parent)
         cols = gl.expand_dims(gl.arange(0, q_buf.shape[1], layout=col_layout), 0)
         ptr = q_seq + (t * T).to(gl.int64) * stride_qt + (gl.expand_dims(q_off, 1) + cols)
-        async_copy.async_copy_global_to_shared(q_buf, ptr, mask)
+        async_load(q_buf, ptr, mask)
 
     @gluon.jit
     def _issue_tile(q_buf, ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt, stride_vt,
@@ -247,7 +242,7 @@ if gluon is not None:
         s2_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_KEYS_C, 16])
         zeros2 = gl.zeros([M, 2 * BLOCK_KEYS_C], gl.float32, s2_layout)
-        pairs = ring_k._reinterpret(ring_k.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_k.shape[2]],
+        pairs = reinterpret(ring_k, ring_k.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_k.shape[2]],
                                     ring_k.type.layout)
         raw = ()
         for i in gl.static_range(NB // 2):
@@ -358,7 +353,7 @@ if gluon is not None:
         ones1 = ones.slice(0, BLOCK_KEYS_C)
         # The pairs' halves back together: one 32-key wgmma on a pair of value slots, in the
         # blocks' order within the pairs; the block left over last.
-        pairs = ring_v._reinterpret(ring_v.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_v.shape[2]],
+        pairs = reinterpret(ring_v, ring_v.dtype, [NS // 2, 2 * BLOCK_KEYS_C, ring_v.shape[2]],
                                     ring_v.type.layout)
         for i in gl.static_range(NB // 2):
             lo = scores[2 * i]
@@ -471,7 +466,7 @@ if gluon is not None:
                            gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32, 1],
                                             warps_per_cta=[4, 1], order=[1, 0])))
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
 
         # -- prefetch the first tile. Bands only move forward: after tile t's prefetch the ring
         # holds blocks max(kb0, 0) … b0(t + 2) + NB - 1, block kb in slot kb % NS.
@@ -481,14 +476,14 @@ if gluon is not None:
             _issue_tile(q_ring.index(0), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
                         stride_vt, q_off, k_off, v_off, row_tokens, key_rows, t_begin, first_kb,
                         gl.minimum(kb0 + NB, nblocks), seq_len, T, NS, False)
-        async_copy.commit_group()
+        commit_group()
         if t_begin + 1 < t_end:
             _issue_tile(q_ring.index(1), ring_k, ring_v, q_seq, k_seq, v_seq, stride_qt, stride_kt,
                         stride_vt, q_off, k_off, v_off, row_tokens, key_rows, t_begin + 1,
                         gl.maximum(kb0 + NB, first_kb),
                         gl.minimum(_band_start(t_begin + 1, T, window_q, band_offset) + NB, nblocks),
                         seq_len, T, NS, True)
-        async_copy.commit_group()
+        commit_group()
 
         # -- per-row sink terms: the null logit's floor under the max, or key 0's bias
         rows = gl.arange(0, M, layout=row_layout)
@@ -519,9 +514,9 @@ if gluon is not None:
                     # still be in flight). The fence makes the copies visible to the wgmmas (async
                     # proxy); the barrier, every warp's copies and tile t - 1's staged output to
                     # every warp.
-                    async_copy.wait_group(1)
+                    wait_group(1)
                     fence_async_shared()
-                    _cta_barrier()
+                    cta_barrier()
                     b0 = _band_start(t, T, window_q, band_offset)
                     q_s = q_ring.index(it % 3)
                     # block b0's slot (b0 >= -NS: the window reaches < NB blocks back)
@@ -566,13 +561,13 @@ if gluon is not None:
                                     row_tokens, key_rows, t + 2,
                                     gl.maximum(b_next + NB, first_kb),
                                     gl.minimum(b_after + NB, nblocks), seq_len, T, NS, True)
-                    async_copy.commit_group()
+                    commit_group()
                     _stage_tile(acc, l, q_s)
-        _cta_barrier()
+        cta_barrier()
         if t_end > t_begin:
             _store_staged(q_ring.index((t_end - 1 - t_begin) % 3), o_seq, o_off, io_cols,
                           stride_ot, row_tokens, t_end - 1, seq_len, T, io_layout)
-        async_copy.wait_group(0)
+        wait_group(0)
 
 
 # ---- launcher ------------------------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""The Gluon names the Hopper window kernel uses, mapped across Triton releases: one place for them.
+
+Gluon (``triton.experimental.gluon``) renames things between releases, and users run several
+(3.7.1 for vLLM 0.27–0.32, 3.8.x for 0.33, 3.9.0 for the vLLM that moves to torch 2.15). The kernel
+(``gluon_window_attention``) imports every Gluon name it needs from here; a rename in a new release
+is one line below. Each alias takes the newer name where the release has it:
+
+- ``cta_barrier``: the CTA barrier — ``gl.thread_barrier`` in 3.6, ``gl.barrier`` from 3.7 (3.9
+  has no ``thread_barrier``);
+- ``async_load``: cp.async of a global tensor into shared memory — ``async_copy_global_to_shared``
+  up to 3.7, ``async_load`` from 3.8 (3.9 raises on the old name: "async_copy_global_to_shared has
+  been removed; call async_load instead"). Same arguments: (shared view, pointers, mask);
+- ``reinterpret(view, dtype, shape, layout)``: a shared-memory view seen as another shape —
+  the method ``_reinterpret`` up to 3.8, ``reinterpret`` from 3.9 (which drops ``_reinterpret``).
+
+Importing this module never fails: ``IMPORT_ERROR`` says why Gluon is unavailable (None when it is),
+and the kernel module then has no fast path.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.language.core import builtin
+
+    cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    commit_group = async_copy.commit_group
+    # Methods cannot be aliased by name: a builtin that calls the release's method.
+    _REINTERPRET = "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else \
+        "_reinterpret"
+
+    @builtin
+    def reinterpret(view, dtype, shape, layout, _semantic=None):
+        return getattr(view, _REINTERPRET)(dtype, shape, layout, _semantic=_semantic)
+
+    wait_group = async_copy.wait_group
+    IMPORT_ERROR: str | None = None
+except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
+    gluon = gl = async_copy = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+    cta_barrier = async_load = commit_group = wait_group = reinterpret = None
+    IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+__all__ = ["IMPORT_ERROR", "async_load", "commit_group", "cta_barrier", "fence_async_shared", "gl",
+           "gluon", "reinterpret", "wait_group", "warpgroup_mma", "warpgroup_mma_wait"]
