@@ -53,14 +53,14 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     load_sequence,
 )
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    # TMA global → shared: ``async_copy_global_to_shared`` up to 3.8, ``async_load`` from 3.8 on
-    # (3.9 removed the old name).
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from vllm_sinks.v1.attention.ops.gluon_api import TMA_IMPORT_ERROR as GLUON_IMPORT_ERROR
+from vllm_sinks.v1.attention.ops.gluon_api import (TensorDescriptor, cta_barrier,
+                                                   fence_async_shared, gl, gluon, mbarrier,
+                                                   reinterpret, tma_load)
+
+if GLUON_IMPORT_ERROR is not None:
+    gluon = None
+else:  # the committed walk's per-tile pieces
     from vllm_sinks.v1.attention.ops.gluon_window_attention import (
         _band_max,
         _band_pv,
@@ -68,12 +68,7 @@ try:
         _band_start,
         _finish_scores,
         _mask_band,
-        _row,
     )
-    GLUON_IMPORT_ERROR: str | None = walk.GLUON_IMPORT_ERROR
-except Exception as e:  # noqa: BLE001 - any failure means "no fast path"
-    gluon = None
-    GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 ROWS = walk.ROWS
 HEAD_DIM = walk.HEAD_DIM
@@ -112,9 +107,9 @@ if gluon is not None:
                 mbarrier.wait(kv_free.index(slot), (n & 1) ^ 1)
                 bar = kv_ready.index(slot)
                 mbarrier.expect(bar, kv_bytes)
-                _tma_load(k_desc, [seq_row + kb * BLOCK_KEYS_C, kv_head, 0], bar,
+                tma_load(k_desc, [seq_row + kb * BLOCK_KEYS_C, kv_head, 0], bar,
                           ring_k.index(slot))
-                _tma_load(v_desc, [seq_row + kb * BLOCK_KEYS_C, kv_head, 0], bar,
+                tma_load(v_desc, [seq_row + kb * BLOCK_KEYS_C, kv_head, 0], bar,
                           ring_v.index(slot))
             next_kb = gl.maximum(next_kb, hi)
             it = t - t_begin
@@ -122,7 +117,7 @@ if gluon is not None:
             qi = (it % NC) * 2 + i % 2
             mbarrier.wait(q_free.index(qi), ((i // 2) & 1) ^ 1)
             mbarrier.expect(q_ready.index(qi), q_bytes)
-            _tma_load(q_desc, [seq_row + t * T, q_col, 0], q_ready.index(qi), q_bufs.index(qi))
+            tma_load(q_desc, [seq_row + t * T, q_col, 0], q_ready.index(qi), q_bufs.index(qi))
 
     @gluon.jit
     def _consumer(C: gl.constexpr, q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready,
@@ -303,12 +298,12 @@ if gluon is not None:
         for i in gl.static_range(NC):
             mbarrier.init(turn.index(i), count=1)
         fence_async_shared()
-        walk._cta_barrier()
+        cta_barrier()
 
         # TMA views of the buffers: the boxes the descriptors name.
-        q_tma = q_bufs._reinterpret(dtype, [2 * NC, T, GP, D], q_desc.layout)
-        k_tma = ring_k._reinterpret(dtype, [NS, BLOCK_KEYS_C, 1, D], k_desc.layout)
-        v_tma = ring_v._reinterpret(dtype, [NS, BLOCK_KEYS_C, 1, D], v_desc.layout)
+        q_tma = reinterpret(q_bufs, dtype, [2 * NC, T, GP, D], q_desc.layout)
+        k_tma = reinterpret(ring_k, dtype, [NS, BLOCK_KEYS_C, 1, D], k_desc.layout)
+        v_tma = reinterpret(ring_v, dtype, [NS, BLOCK_KEYS_C, 1, D], v_desc.layout)
         seq_row = seq_start64.to(gl.int32)
 
         if NC == 2:
