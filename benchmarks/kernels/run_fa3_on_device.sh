@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/device}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export VLLM_SINKS_FA3_TESTS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${TRITON_TARBALL:-}" ]; then
   slim=/tmp/triton-slim; rm -rf "$slim"; mkdir -p "$slim"; tar -xJf "$TRITON_TARBALL" -C "$slim"
   export PYTHONPATH="$slim:$PYTHONPATH"

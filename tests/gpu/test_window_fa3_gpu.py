@@ -6,6 +6,8 @@ with 2 and 3 consumer warpgroups and the softmax ping-pong, on strided (fused-QK
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,12 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("VLLM_SINKS_FA3_TESTS") != "1":
+    # An mbarrier protocol that deadlocks hangs the whole GPU run (no pytest timeout there):
+    # benchmarks/kernels/run_fa3_on_device.sh runs these under a timeout, with this set, until
+    # they have passed on the device (docs/notes/prefill-kernel-log.md, run 14).
+    pytest.skip("experimental FA3-structured kernel: VLLM_SINKS_FA3_TESTS=1 runs these",
+                allow_module_level=True)
 
 from test_prefill_op_gpu import _packed  # noqa: E402
 from test_window_walk_gpu import LENS, WINDOWS, _args  # noqa: E402

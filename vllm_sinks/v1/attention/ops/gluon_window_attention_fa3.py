@@ -97,10 +97,16 @@ if gluon is not None:
         first_kb = gl.maximum(_band_start(t_begin, T, window_q, band_offset), 0)
         kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
         q_bytes: gl.constexpr = q_desc.block_type.nbytes
-        next_kb = first_kb
         for t in range(t_begin, t_end):
             hi = gl.minimum(_band_start(t, T, window_q, band_offset) + NB, nblocks)
-            for kb in range(next_kb, hi):
+            # Blocks from where the previous tile's loads stopped (bands only move forward). Not
+            # carried through the loop: Triton 3.7 drops a loop-carried scalar whose only use is
+            # an inner range() bound (kernel log, run 14).
+            lo = first_kb
+            if t > t_begin:
+                lo = gl.maximum(first_kb, gl.minimum(
+                    _band_start(t - 1, T, window_q, band_offset) + NB, nblocks))
+            for kb in range(lo, hi):
                 slot = kb % NS
                 n = (kb - first_kb) // NS
                 # A fresh barrier passes parity 1: the first load of a slot does not wait.
@@ -111,7 +117,6 @@ if gluon is not None:
                           ring_k.index(slot))
                 tma_load(v_desc, [seq_row + kb * BLOCK_KEYS_C, kv_head, 0], bar,
                           ring_v.index(slot))
-            next_kb = gl.maximum(next_kb, hi)
             it = t - t_begin
             i = it // NC
             qi = (it % NC) * 2 + i % 2
@@ -160,23 +165,29 @@ if gluon is not None:
         o_off = row_tokens * stride_ot + (head_group * GP + io_rows % GP) * stride_oh
         o_seq = O + seq_start64 * stride_ot
 
-        seen_kb = first_kb  # blocks below this one were waited for
-        freed_kb = first_kb  # blocks below this one were released by this warpgroup
         n_tiles = (t_end - t_begin - C + NC - 1) // NC
         for i in range(0, n_tiles):
             t = t_begin + C + i * NC
             qi = C * 2 + i % 2
             b0 = _band_start(t, T, window_q, band_offset)
             hi = gl.minimum(b0 + NB, nblocks)
-            for kb in range(seen_kb, hi):
+            # The blocks this warpgroup has not waited for: from where its previous tile's band
+            # ended (not carried through the loop: see _producer).
+            lo = first_kb
+            if i > 0:
+                lo = gl.maximum(first_kb, gl.minimum(
+                    _band_start(t - NC, T, window_q, band_offset) + NB, nblocks))
+            for kb in range(lo, hi):
                 mbarrier.wait(kv_ready.index(kb % NS), ((kb - first_kb) // NS) & 1)
-            seen_kb = gl.maximum(seen_kb, hi)
             mbarrier.wait(q_ready.index(qi), (i // 2) & 1)
             s0 = (b0 + NS) % NS
             odd = s0 % 2
             pending = _band_scores(q_bufs.index(qi), ring_k, s0, odd, M, NB, NS, s_layout)
             scores = _finish_scores(pending, NB, s_layout)
-            # The QK wgmmas read every warp's Q registers: the buffer is free.
+            # The QK wgmmas read every warp's Q registers: the buffer is free. The fence orders
+            # this warpgroup's reads of it (ldmatrix, generic proxy) before the producer's next
+            # TMA write (async proxy).
+            fence_async_shared()
             mbarrier.arrive(q_free.index(qi), count=1)
             if PINGPONG:
                 # Consumer 0 takes the first turn without waiting; from then on its turn comes
@@ -207,11 +218,14 @@ if gluon is not None:
                 # least one fewer than 0 (whose first turn is not waited for): every turn
                 # waited for comes, each barrier's phases complete in order, none is skipped.
                 mbarrier.arrive(turn.index((C + 1) % NC), count=1)
-            # Blocks before this warpgroup's next band are done with (its wgmmas have completed).
+            # Blocks before this warpgroup's next band are done with (its wgmmas have completed),
+            # from where its previous tile's release stopped (from first_kb on its first tile).
+            rel_lo = first_kb
+            if i > 0:
+                rel_lo = gl.maximum(first_kb, gl.minimum(b0, nblocks))
             rel_hi = gl.minimum(_band_start(t + NC, T, window_q, band_offset), nblocks)
-            for kb in range(freed_kb, rel_hi):
+            for kb in range(rel_lo, rel_hi):
                 mbarrier.arrive(kv_free.index(kb % NS), count=1)
-            freed_kb = gl.maximum(freed_kb, rel_hi)
             l = gl.convert_layout(gl.max(l_acc, 1), row_layout, assert_trivial=True)
             if SINK_MODE == NULL_LOGIT_C:
                 l += gl.exp2(sink_raw * qk_scale - mc)
