@@ -30,7 +30,12 @@ a band past its sequence's end are the next sequence's rows (finite; their score
 probabilities 0) or, past the tensor, zeros (TMA's out-of-bounds fill). Output rows are stored with
 masked stores (a TMA store would write past a sequence's end).
 
-Needs 16-byte-aligned strides and base pointers (TMA); ``plan`` declines other calls.
+Needs 16-byte-aligned strides and base pointers (TMA); ``plan`` declines other calls, and 16-token
+tiles (``gp`` 4: a band gains exactly one block per tile).
+
+Status (docs/notes/prefill-kernel-log.md, run 14): compiles for sm_90a under Triton 3.7.1, 3.8.0 and
+3.9.0; not yet timed, and not wired into the op (``triton_prefill_attention``): it replaces the walk
+only once it beats it on MiMo's and GPT-OSS's shapes in one run (``compare_fa3_walk.py``).
 """
 
 from __future__ import annotations
