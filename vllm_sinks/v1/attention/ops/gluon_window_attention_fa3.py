@@ -130,14 +130,16 @@ if gluon is not None:
             tma_load(q_desc, [seq_row + t * T, q_col, 0], q_ready.index(qi), q_bufs.index(qi))
 
     @gluon.jit
-    def _consumer(C: gl.constexpr, q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready,
-                  kv_free, turn, O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end,
-                  qk_scale, inv_scale, window_q, window_k, band_offset, stride_ot, stride_oh,
-                  stride_sink, T: gl.constexpr, GP: gl.constexpr, NB: gl.constexpr,
-                  NS: gl.constexpr, NC: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    def _consumer(C: gl.constexpr, buffers, scalars, T: gl.constexpr, GP: gl.constexpr,
+                  NB: gl.constexpr, NS: gl.constexpr, NC: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr):
         """One warpgroup: tiles ``t_begin + C``, ``+ NC``, … of the program, each the committed
-        walk's exact band softmax."""
+        walk's exact band softmax. ``buffers`` and ``scalars``: the kernel's shared memory and
+        the program's runtime values, as the kernel packs them (one tuple each, so that every
+        partition's argument list stays short; constexprs stay separate literals)."""
+        q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn = buffers
+        (O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale, inv_scale,
+         window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink) = scalars
         D: gl.constexpr = 64
         M: gl.constexpr = T * GP
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -243,17 +245,12 @@ if gluon is not None:
             gl.store(o_ptr, out, mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
 
     @gluon.jit
-    def _consumer_worker(q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn,
-                         O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale,
-                         inv_scale, window_q, window_k, band_offset, stride_ot, stride_oh,
-                         stride_sink, C: gl.constexpr, T: gl.constexpr, GP: gl.constexpr,
+    def _consumer_worker(buffers, scalars, C: gl.constexpr, T: gl.constexpr, GP: gl.constexpr,
                          NB: gl.constexpr, NS: gl.constexpr, NC: gl.constexpr,
                          IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr,
                          PINGPONG: gl.constexpr):
-        _consumer(C, q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn, O,
-                  Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale, inv_scale,
-                  window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink, T, GP, NB,
-                  NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+        """A worker partition's consumer (workers take no tensors and no leading constexpr)."""
+        _consumer(C, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
 
     @gluon.jit
     def _window_fa3_kernel(
@@ -325,18 +322,17 @@ if gluon is not None:
         v_tma = reinterpret(ring_v, dtype, [NS, BLOCK_KEYS_C, 1, D], v_desc.layout)
         seq_row = seq_start64.to(gl.int32)
 
+        buffers = (q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn)
+        scalars = (O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale,
+                   inv_scale, window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink)
+        # One tuple literal per partition (DEVELOPERS.md: constexprs in a tuple variable become
+        # tensors); the producer's warp is rounded up to a warpgroup for the registers.
         if NC == 2:
             gl.warp_specialize([
-                (_consumer, (0, q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free,
-                             turn, O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end,
-                             qk_scale, inv_scale, window_q, window_k, band_offset, stride_ot,
-                             stride_oh, stride_sink, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
-                             SINK_MODE, PINGPONG)),
-                (_consumer_worker, (q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready,
-                                    kv_free, turn, O, Sinks, seq_start64, seq_len, head_group,
-                                    t_begin, t_end, qk_scale, inv_scale, window_q, window_k,
-                                    band_offset, stride_ot, stride_oh, stride_sink, 1, T, GP, NB,
-                                    NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)),
+                (_consumer, (0, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE,
+                             PINGPONG)),
+                (_consumer_worker, (buffers, scalars, 1, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
+                                    SINK_MODE, PINGPONG)),
                 (_producer, (q_desc, k_desc, v_desc, q_tma, k_tma, v_tma, q_ready, q_free,
                              kv_ready, kv_free, seq_row, seq_len, head_group * GP, kv_head,
                              t_begin, t_end, window_q, band_offset, T, NB, NS, NC)),
@@ -344,21 +340,12 @@ if gluon is not None:
         else:
             gl.static_assert(NC == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
-                (_consumer, (0, q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free,
-                             turn, O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end,
-                             qk_scale, inv_scale, window_q, window_k, band_offset, stride_ot,
-                             stride_oh, stride_sink, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
-                             SINK_MODE, PINGPONG)),
-                (_consumer_worker, (q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready,
-                                    kv_free, turn, O, Sinks, seq_start64, seq_len, head_group,
-                                    t_begin, t_end, qk_scale, inv_scale, window_q, window_k,
-                                    band_offset, stride_ot, stride_oh, stride_sink, 1, T, GP, NB,
-                                    NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)),
-                (_consumer_worker, (q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready,
-                                    kv_free, turn, O, Sinks, seq_start64, seq_len, head_group,
-                                    t_begin, t_end, qk_scale, inv_scale, window_q, window_k,
-                                    band_offset, stride_ot, stride_oh, stride_sink, 2, T, GP, NB,
-                                    NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)),
+                (_consumer, (0, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE,
+                             PINGPONG)),
+                (_consumer_worker, (buffers, scalars, 1, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
+                                    SINK_MODE, PINGPONG)),
+                (_consumer_worker, (buffers, scalars, 2, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
+                                    SINK_MODE, PINGPONG)),
                 (_producer, (q_desc, k_desc, v_desc, q_tma, k_tma, v_tma, q_ready, q_free,
                              kv_ready, kv_free, seq_row, seq_len, head_group * GP, kv_head,
                              t_begin, t_end, window_q, band_offset, T, NB, NS, NC)),
