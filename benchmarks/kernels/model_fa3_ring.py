@@ -5,8 +5,9 @@ phases, transaction bytes, parity waits) and TMA copies that land in random orde
 random. It checks that no wait deadlocks, that no mbarrier gets more arrivals than its count in a
 phase, and that every block a consumer reads is the one in its slot. It mirrors the kernel's index
 arithmetic by hand (block ranges per tile, parities, releases): change both together. With the
-consumers' block ranges carried through the loop and dropped, as Gluon on Triton 3.7.1 compiled
-them (kernel log, run 14), it fails ("over-arrival"), as the kernel hung on the device.
+block ranges restarting at the program's first block on every tile, as Gluon on Triton 3.7.1
+compiled the loop-carried version (kernel log, run 14), it fails as the kernel did on the device:
+"over-arrival" from the producer's ranges, a deadlock from the consumers'.
 
     python3 benchmarks/kernels/model_fa3_ring.py     # one "ok" line per case
 """
