@@ -1,0 +1,148 @@
+"""A Python model of the FA3-structured kernel's ring protocol (gluon_window_attention_fa3.py).
+
+One program's producer and NC consumers run as coroutines over modelled mbarriers (arrival counts,
+phases, transaction bytes, parity waits) and TMA copies that land in random order, interleaved at
+random. It checks that no wait deadlocks, that no mbarrier gets more arrivals than its count in a
+phase, and that every block a consumer reads is the one in its slot. It mirrors the kernel's index
+arithmetic by hand (block ranges per tile, parities, releases): change both together. With the
+block ranges restarting at the program's first block on every tile, as Gluon on Triton 3.7.1
+compiled the loop-carried version (kernel log, run 14), it fails as the kernel did on the device:
+"over-arrival" from the producer's ranges, a deadlock from the consumers'.
+
+    python3 benchmarks/kernels/model_fa3_ring.py     # one "ok" line per case
+"""
+
+from __future__ import annotations
+
+import random
+
+BLOCK = 16
+
+
+def band_start(t, T, window_q, band_offset):
+    return (t * T - window_q + band_offset) // BLOCK - band_offset // BLOCK
+
+
+class Barrier:
+    def __init__(self, count):
+        self.count, self.pending, self.phase, self.tx = count, count, 0, 0
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0, "over-arrival"
+        self._complete()
+
+    def expect(self, nbytes):  # arrive + expect_tx
+        self.tx += nbytes
+        self.arrive()
+
+    def land(self, nbytes):  # a TMA copy's complete_tx
+        self.tx -= nbytes
+        self._complete()
+
+    def _complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def passes(self, parity):  # mbarrier.wait(bar, parity) returns
+        return (self.phase & 1) != parity
+
+
+def run(seq_len, t_begin, t_end, NC=2, T=16, window_q=64, NB=9, NS=16, seed=0):
+    off = BLOCK * -(-window_q // BLOCK)
+    nblocks = (seq_len + BLOCK - 1) // BLOCK
+    first_kb = max(band_start(t_begin, T, window_q, off), 0)
+    kv_ready = [Barrier(1) for _ in range(NS)]
+    kv_free = [Barrier(NC) for _ in range(NS)]
+    q_ready = [Barrier(1) for _ in range(2 * NC)]
+    q_free = [Barrier(1) for _ in range(2 * NC)]
+    slot_block, in_flight = [None] * NS, []
+
+    def producer():
+        for t in range(t_begin, t_end):
+            hi = min(band_start(t, T, window_q, off) + NB, nblocks)
+            lo = first_kb
+            if t > t_begin:
+                lo = max(first_kb, min(band_start(t - 1, T, window_q, off) + NB, nblocks))
+            for kb in range(lo, hi):
+                s = kb % NS
+                while not kv_free[s].passes((((kb - first_kb) // NS) & 1) ^ 1):
+                    yield
+                kv_ready[s].expect(4096)
+                in_flight.append(("kv", s, kb))
+            it = t - t_begin
+            i = it // NC
+            qi = (it % NC) * 2 + i % 2
+            while not q_free[qi].passes(((i // 2) & 1) ^ 1):
+                yield
+            q_ready[qi].expect(8192)
+            in_flight.append(("q", qi, t))
+
+    def consumer(C):
+        n_tiles = max(0, -(-(t_end - t_begin - C) // NC))
+        for i in range(n_tiles):
+            t = t_begin + C + i * NC
+            qi = C * 2 + i % 2
+            b0 = band_start(t, T, window_q, off)
+            hi = min(b0 + NB, nblocks)
+            lo = first_kb
+            if i > 0:
+                lo = max(first_kb, min(band_start(t - NC, T, window_q, off) + NB, nblocks))
+            for kb in range(lo, hi):
+                while not kv_ready[kb % NS].passes(((kb - first_kb) // NS) & 1):
+                    yield
+            while not q_ready[qi].passes((i // 2) & 1):
+                yield
+            for kb in range(max(b0, first_kb), hi):
+                assert slot_block[kb % NS] == kb, ("stale slot", C, t, kb, slot_block[kb % NS])
+            yield
+            q_free[qi].arrive()
+            yield
+            rel_lo = first_kb if i == 0 else max(first_kb, min(b0, nblocks))
+            rel_hi = min(band_start(t + NC, T, window_q, off), nblocks)
+            for kb in range(rel_lo, rel_hi):
+                kv_free[kb % NS].arrive()
+
+    rng = random.Random(seed)
+    procs = [producer()] + [consumer(c) for c in range(NC)]
+    alive = set(range(len(procs)))
+    for _ in range(10**6):
+        if not alive:
+            return
+        if in_flight and rng.random() < 0.5:
+            kind, s, x = in_flight.pop(rng.randrange(len(in_flight)))
+            if kind == "kv":
+                slot_block[s] = x
+                kv_ready[s].land(4096)
+            else:
+                q_ready[s].land(8192)
+            continue
+        p = rng.choice(sorted(alive))
+        try:
+            next(procs[p])
+        except StopIteration:
+            alive.discard(p)
+    raise RuntimeError("deadlock")
+
+
+CASES = [(64, 0, 4), (256, 0, 16), (4096, 0, 256), (700, 3, 30), (16384, 100, 356), (2048, 5, 6),
+         (2048, 5, 7), (129, 0, 9), (17, 0, 2)]
+
+
+def main():
+    for window_q in (64, 127):  # MiMo's band, GPT-OSS's causal one (both 9 blocks)
+        for seq_len, t_begin, t_end in CASES:
+            for NC in (2, 3):
+                for seed in range(3):
+                    try:
+                        run(seq_len, t_begin, t_end, NC=NC, window_q=window_q, seed=seed)
+                    except (AssertionError, RuntimeError) as e:
+                        print("FAIL", window_q, seq_len, t_begin, t_end, NC, seed, e)
+                        break
+                else:
+                    print("ok", window_q, seq_len, t_begin, t_end, NC)
+
+
+if __name__ == "__main__":
+    main()
