@@ -34,7 +34,7 @@ from vllm_sinks.patches import transformers_sinks  # noqa: E402
 from vllm_sinks.patches.registry import detect_vllm  # noqa: E402
 from vllm_sinks.verify import differential, tiny_models  # noqa: E402
 from vllm_sinks.verify.inspect_transformers_model import run_inspection, tp_env  # noqa: E402
-from vllm_sinks.verify import GUARDED, guard_refused  # noqa: E402
+from vllm_sinks.verify.families import GUARDED, guard_refused  # noqa: E402
 
 #: Families vLLM's Transformers backend runs on CPU. Not here: HY V4 and DeepSeek V4 (checked to fail
 #: below) and the privacy-filter encoder (token classification: the backend has no class for it).
