@@ -46,7 +46,9 @@ read -r _ install deps transformers triton suite <<<"$row"
 
 pip_in() {  # venv args...: quiet pip, pip's cache shared by all venvs
   local venv=$1; shift
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@" >&2
+  # --no-compile: pip would byte-compile every file of vLLM and its dependencies, most of which the
+  # tests never import (Python compiles what is imported, once, on first import).
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile "$@" >&2
 }
 site_of() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 stamp_of() { cat "$@" | sha256sum | cut -c1-16; }
