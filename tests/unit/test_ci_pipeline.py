@@ -1,9 +1,11 @@
-"""The CI definitions hold together: .buildkite/pipeline.yml is valid in Buildkite's own schema (the
-schema.json `buildkite-sdk` ships), and every script, path, pytest marker and matrix row that a step
-or a suite of scripts/test.sh names exists; every row of scripts/matrix.txt runs somewhere."""
+"""The CI definitions hold together: .buildkite/pipeline.yml is what scripts/ci_matrix.py generates
+from scripts/matrix.txt, is valid in Buildkite's own schema (the schema.json `buildkite-sdk` ships),
+and every script, path, pytest marker and matrix row that a step or a suite of scripts/test.sh names
+exists; every row of scripts/matrix.txt runs somewhere."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import re
@@ -17,7 +19,6 @@ jsonschema = pytest.importorskip("jsonschema")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PIPELINE = REPO / ".buildkite" / "pipeline.yml"
-MATRIX = REPO / "scripts" / "matrix.txt"
 TEST_SH = REPO / "scripts" / "test.sh"
 
 if sys.version_info >= (3, 11):
@@ -26,15 +27,18 @@ else:  # pragma: no cover
     tomllib = pytest.importorskip("tomli")
 
 
+def _load_ci_matrix():
+    spec = importlib.util.spec_from_file_location("ci_matrix", REPO / "scripts" / "ci_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ci_matrix = _load_ci_matrix()
+
+
 def matrix_rows() -> dict[str, dict[str, str]]:
-    columns = ("name", "install", "deps", "transformers", "triton", "suite")
-    rows = {}
-    for line in MATRIX.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            fields = line.split()
-            assert len(fields) == len(columns), f"scripts/matrix.txt: {line!r} needs {len(columns)} columns"
-            rows[fields[0]] = dict(zip(columns, fields))
-    return rows
+    return {row["name"]: row for row in ci_matrix.rows()}
 
 
 def markers() -> set[str]:
@@ -113,6 +117,12 @@ def test_pipeline_is_valid_in_buildkites_schema(pipeline):
     validator = jsonschema.validators.validator_for(schema)(schema)
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:300]}" for e in validator.iter_errors(pipeline)]
     assert not errors, "\n".join(errors)
+
+
+def test_pipeline_is_what_the_matrix_generates():
+    pytest.importorskip("buildkite_sdk")
+    assert PIPELINE.read_text() == ci_matrix.pipeline_yaml(), \
+        ".buildkite/pipeline.yml is stale: run `python scripts/ci_matrix.py` (it is generated from scripts/matrix.txt)"
 
 
 def test_the_schema_check_can_fail(pipeline):
