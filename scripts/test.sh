@@ -1,33 +1,85 @@
 #!/usr/bin/env bash
-# The test command (README): build or reuse the venvs, run the whole suite on the vLLM matrix.
+# The test command (README): build or reuse the venvs of scripts/matrix.txt and run each row's suite.
 #
-#   bash scripts/test.sh                         # everything: unit + op (no vLLM) + vLLM 0.27.1 0.29.0 0.32.0
-#   VLLM_SINKS_VERSIONS="0.29.0" bash scripts/test.sh      # one vLLM version
-#   VLLM_SINKS_PYTEST_ARGS="-m 'not slow'" bash scripts/test.sh
+#   bash scripts/test.sh                                  # the whole matrix
+#   VLLM_SINKS_MATRIX="0.29.0" bash scripts/test.sh       # some rows of the matrix (names, space-separated)
+#   VLLM_SINKS_PYTEST_ARGS="-x" bash scripts/test.sh      # extra pytest arguments for every pytest run
 #
-# Each venv first compiles the Hopper kernel for sm_90a under its Triton (3.8.0 in the no-vLLM venv,
-# as vLLM 0.33 installs; 3.7.1 in the others, as vLLM 0.27-0.32 do): a Triton release whose Gluon
-# API breaks the kernel fails the run here, without a GPU.
-# Layout of the run: tests/unit + tests/op + tests/gpu in a venv without vLLM (the op must work there;
-# gpu tests skip cleanly on CPU); tests/unit + tests/vllm in each vLLM venv (tests/unit again because
-# each venv pins a different transformers, which the SinkFuser must trace). Venvs build in the
-# background, one after another, while earlier ones test. JUnit XML goes to $VLLM_SINKS_TEST_OUT.
+# Two lanes, for the 2-core CI machine: the build lane builds the venvs one after another (pip is mostly
+# download and unpack) and runs the compile checks (one compiler process each); the test lane runs each
+# row's suite as soon as its venv is ready, in matrix order. A vLLM engine in the tests is one process
+# per core at most. JUnit XML, logs, each `vllm-sinks report` and a table of step times go to
+# $VLLM_SINKS_TEST_OUT (default out/test); the last lines printed are the per-row and per-step tables.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
-versions=${VLLM_SINKS_VERSIONS:-0.27.1 0.29.0 0.32.0}
 out=${VLLM_SINKS_TEST_OUT:-$repo/out/test}
 rm -rf "$out"; mkdir -p "$out"
 export VLLM_CPU_KVCACHE_SPACE=1 PYTHONUNBUFFERED=1
 start=$(date +%s)
 
-# Build chain in the background: none first (fastest to be useful), then each vLLM version.
-(
-  for v in none $versions; do
-    if venv=$(scripts/venv.sh "$v" 2>"$out/venv-$v.log" | tail -n 1); then
-      echo "$venv" > "$out/venv-$v.path"
+# Which tests each suite of the matrix runs: the one place that says so (scripts/matrix.txt says which
+# suite each venv gets). Paths and markers are checked by tests/unit/test_ci_pipeline.py.
+declare -A SUITE_PYTEST=(
+  [nov]="tests/unit tests/op tests/gpu"
+  [full]="tests/unit tests/vllm"
+  # the MiMo probe on real vLLM classes (reads, never writes) and its window attention with sinks
+  [smoke]="tests/unit/test_mimo_probe_readonly.py tests/vllm/test_mimo_vision_sinks.py"
+  # no engine: vLLM's own wheel has no CPU kernels. Probes, forks' drift checks, the plugin loader.
+  [probe]="tests/unit tests/vllm -m 'not slow'"
+)
+# Families the smoke suite checks end to end against HF eager (`vllm-sinks verify`, patch on and off).
+SMOKE_FAMILIES="gpt_oss granite_swa"
+# Cases of the Hopper kernel's compile check: both paths of the tile loop (kernel log, run 13).
+COMPILE_CASES="mimo gpt-oss gpt-oss-gp8"
+
+matrix_rows() { grep -v '^[[:space:]]*#' scripts/matrix.txt | awk 'NF'; }
+wanted=${VLLM_SINKS_MATRIX:-$(matrix_rows | awk '{print $1}' | xargs)}
+for name in $wanted; do
+  matrix_rows | awk -v n="$name" '$1 == n {f=1} END {exit !f}' \
+    || { echo "test.sh: $name is not in scripts/matrix.txt" >&2; exit 2; }
+done
+suite_of() { matrix_rows | awk -v n="$1" '$1 == n {print $6}'; }
+
+step() {  # name what rc seconds: one row of the step-time table
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$out/steps.tsv"
+  echo "=== [$1] $2: rc=$3 in $4 s"
+}
+
+compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90a under this Triton
+  local name=$1 venv=$2 case t0 rc=0 triton
+  triton=$("$venv/bin/python" -c 'import triton; print(triton.__version__)' 2>/dev/null)
+  for case in $COMPILE_CASES; do
+    t0=$(date +%s)
+    if "$venv/bin/python" benchmarks/kernels/inspect_window_walk.py --case "$case" \
+        >"$out/compile-$name-$case.log" 2>&1; then
+      echo "compile check ($name, Triton $triton): $(grep -m 1 "^$case:" "$out/compile-$name-$case.log")"
+    else
+      rc=1
+      echo "compile check FAILED: the Hopper kernel ($case) does not compile for sm_90a under Triton" \
+           "$triton; benchmarks/kernels/inspect_window_walk.py --case $case says:"
+      # The cause is the last exception line (Gluon API errors name the missing or changed function).
+      grep -E '^[A-Za-z_.]*(Error|Exception)|has been removed|not supported' \
+        "$out/compile-$name-$case.log" | tail -n 3 | sed 's/^/    /'
+      echo "    (whole log: $out/compile-$name-$case.log)"
     fi
-    touch "$out/venv-$v.done"
+    step "$name" "compile $case" $rc $(( $(date +%s) - t0 ))
+  done
+  return $rc
+}
+
+# Build lane, in the background: each venv in matrix order, then (compile rows) its compile check.
+(
+  for name in $wanted; do
+    t0=$(date +%s)
+    if venv=$(scripts/venv.sh "$name" 2>"$out/venv-$name.log" | tail -n 1) && [ -d "$venv" ]; then
+      echo "$venv" > "$out/venv-$name.path"; rc=0
+    else rc=1; fi
+    step "$name" "venv" $rc $(( $(date +%s) - t0 ))
+    touch "$out/venv-$name.done"
+    if [ $rc = 0 ] && [ "$(suite_of "$name")" = compile ]; then
+      compile_hopper_kernel "$name" "$venv" || touch "$out/failed-$name"
+    fi
   done
 ) &
 builder=$!
@@ -41,52 +93,53 @@ wait_venv() {  # prints the venv path once built, or fails
   cat "$out/venv-$1.path"
 }
 
-status=0
-run_pytest() {  # name venv paths...
+run_pytest() {  # name venv args...: one pytest run, JUnit XML per matrix row
   local name=$1 venv=$2; shift 2
-  local t0; t0=$(date +%s)
+  local t0 rc; t0=$(date +%s)
   echo "=== [$name] pytest $* ($(date +%T))"
-  eval "\"$venv/bin/python\" -m pytest -p no:cacheprovider --junitxml=\"$out/junit-$name.xml\" \
-    ${VLLM_SINKS_PYTEST_ARGS:-} $*"
-  local rc=$?
+  local extra; eval "extra=(${VLLM_SINKS_PYTEST_ARGS:-})"
+  "$venv/bin/python" -m pytest -p no:cacheprovider --junitxml="$out/junit-$name.xml" ${extra[@]+"${extra[@]}"} "$@"
+  rc=$?
   # pytest exits 5 when nothing was collected (e.g. a filtered run): not a failure of this script.
-  if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=1; fi
-  echo "=== [$name] rc=$rc in $(( $(date +%s) - t0 )) s"
+  [ $rc = 5 ] && rc=0
+  step "$name" "pytest" $rc $(( $(date +%s) - t0 ))
+  return $rc
 }
 
-compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90a under this Triton
-  local name=$1 venv=$2 case
-  for case in mimo gpt-oss gpt-oss-gp8; do  # both paths of the tile loop (kernel log, run 13)
-    echo "=== [$name] compile check: benchmarks/kernels/inspect_window_walk.py --case $case"
-    if ! "$venv/bin/python" benchmarks/kernels/inspect_window_walk.py --case "$case" \
-        >"$out/compile-$name-$case.log" 2>&1; then
-      echo "compile check FAILED ($name, $case):"; tail -n 30 "$out/compile-$name-$case.log"; status=1
-    else head -n 1 "$out/compile-$name-$case.log"; fi
-  done
+run_report() {  # name venv: `vllm-sinks report` must resolve every patch (none refused or failed)
+  local name=$1 venv=$2 t0 rc; t0=$(date +%s)
+  "$venv/bin/vllm-sinks" report >"$out/report-$name.txt" 2>"$out/report-$name.log"
+  rc=$?
+  cat "$out/report-$name.txt"
+  "$venv/bin/python" scripts/ci_summary.py report "$out/report-$name.txt" || rc=1
+  step "$name" "report" $rc $(( $(date +%s) - t0 ))
+  return $rc
 }
 
-if venv=$(wait_venv none); then
-  compile_hopper_kernel no-vllm "$venv"
-  run_pytest no-vllm "$venv" tests/unit tests/op tests/gpu
-else status=1; fi
-for v in $versions; do
-  if venv=$(wait_venv "$v"); then
-    compile_hopper_kernel "vllm-$v" "$venv"
-    run_pytest "vllm-$v" "$venv" tests/unit tests/vllm
-  else status=1; fi
+run_verify() {  # name venv: the smoke suite's end-to-end check against HF eager
+  local name=$1 venv=$2 t0 rc; t0=$(date +%s)
+  # shellcheck disable=SC2086
+  "$venv/bin/vllm-sinks" verify --family $SMOKE_FAMILIES --no-bf16 --json "$out/verify-$name.json" \
+    2>"$out/verify-$name.log" | tee "$out/verify-$name.txt"
+  rc=${PIPESTATUS[0]}
+  step "$name" "verify $SMOKE_FAMILIES" $rc $(( $(date +%s) - t0 ))
+  return $rc
+}
+
+# Test lane.
+for name in $wanted; do
+  suite=$(suite_of "$name")
+  [ "$suite" = compile ] && continue  # the build lane runs those
+  if ! venv=$(wait_venv "$name"); then touch "$out/failed-$name"; continue; fi
+  ok=1
+  if [ "$suite" != nov ]; then run_report "$name" "$venv" || ok=0; fi
+  if [ "$suite" = smoke ]; then run_verify "$name" "$venv" || ok=0; fi
+  eval "args=(${SUITE_PYTEST[$suite]})"
+  run_pytest "$name" "$venv" "${args[@]}" || ok=0
+  [ $ok = 1 ] || touch "$out/failed-$name"
 done
 wait $builder 2>/dev/null
+trap - EXIT
 
-"${PYTHON:-python3}" - "$out" "$(( $(date +%s) - start ))" <<'PY'
-import glob, sys, xml.etree.ElementTree as ET
-totals = dict(tests=0, failures=0, errors=0, skipped=0)
-for path in sorted(glob.glob(f"{sys.argv[1]}/junit-*.xml")):
-    for suite in ET.parse(path).getroot().iter("testsuite"):
-        for key in totals:
-            totals[key] += int(suite.get(key, 0))
-failed = totals["failures"] + totals["errors"]
-passed = totals["tests"] - failed - totals["skipped"]
-print(f"whole matrix in {sys.argv[2]} s")
-print(f"{passed} passed, {failed} failed, {totals['skipped']} skipped")
-PY
-exit $status
+"${PYTHON:-python3}" scripts/ci_summary.py summary "$out" "$(( $(date +%s) - start ))" $wanted
+! ls "$out"/failed-* >/dev/null 2>&1

