@@ -22,6 +22,10 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 TOLERANCE_FACTOR = 2.0
+#: In fp32 both errors sit at the rounding floor (torch's is often ~0.3 ulp of the output's norm), and
+#: Triton's interpreter rounds its exponentials differently from release to release (3.9.0: 9.3e-8
+#: against torch's 3.7e-8 on a tiny case): there, one ulp of the norm is the bound.
+FP32_FLOOR = torch.finfo(torch.float32).eps
 
 
 @dataclasses.dataclass
@@ -107,6 +111,10 @@ def check_tolerance(case: Case, out: torch.Tensor | None = None) -> tuple[float,
     base = same_dtype_torch_error(case.q, case.k, case.v, case.b_start_loc, case.b_seq_len,
                                   ref=ref, rows=rows, **case.op_kwargs())
     err = relative_l2(out[rows], ref[rows])
-    assert err <= TOLERANCE_FACTOR * base, (
-        f"op error {err:.3e} > {TOLERANCE_FACTOR} x same-dtype torch error {base:.3e}")
+    bound = TOLERANCE_FACTOR * base
+    if case.q.dtype == torch.float32:
+        bound = max(bound, FP32_FLOOR)
+    assert err <= bound, (
+        f"op error {err:.3e} > {bound:.3e} ({TOLERANCE_FACTOR} x same-dtype torch error {base:.3e}"
+        f"{', floor one fp32 ulp' if bound != TOLERANCE_FACTOR * base else ''})")
     return err, base
