@@ -26,7 +26,8 @@ from benchmark_prefill_attention import _bench, _cases, _inputs, _peer_columns  
 from compare_walk_variants import time_walks  # noqa: E402
 from gpu_warmup import warm_gpu  # noqa: E402
 
-from vllm_sinks.v1.attention.ops import gluon_window_attention, gluon_window_attention_fa3  # noqa: E402
+from benchmarks.kernels import gluon_window_attention_fa3  # noqa: E402
+from vllm_sinks.v1.attention.ops import gluon_window_attention  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
     reference_prefill_attention,
 )

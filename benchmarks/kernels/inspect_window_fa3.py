@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from benchmarks.kernels.compare_op_variants import load_module  # noqa: E402
 from benchmarks.kernels.inspect_prefill_sass import _INSTR, _cuobjdump, resources  # noqa: E402
 from benchmarks.kernels.inspect_window_walk import CASES  # noqa: E402
-from vllm_sinks.v1.attention.ops import gluon_window_attention_fa3 as fa3  # noqa: E402
+from benchmarks.kernels import gluon_window_attention_fa3 as fa3  # noqa: E402
 
 
 def _desc_type(block, dtype="bf16"):

@@ -26,7 +26,7 @@ from test_prefill_op_gpu import _packed  # noqa: E402
 from test_window_walk_gpu import LENS, WINDOWS, _args  # noqa: E402
 
 from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch, walk_unavailable  # noqa: E402
-from vllm_sinks.v1.attention.ops.gluon_window_attention_fa3 import Fa3WalkLaunch  # noqa: E402
+from benchmarks.kernels.gluon_window_attention_fa3 import Fa3WalkLaunch  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
     covered_rows,
