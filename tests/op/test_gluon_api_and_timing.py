@@ -15,7 +15,7 @@ def test_every_gluon_name_resolves_under_the_installed_triton():
     if gluon_api.IMPORT_ERROR is not None:
         pytest.skip(f"no Gluon here: {gluon_api.IMPORT_ERROR}")
     for name in gluon_api.__all__:
-        if name != "IMPORT_ERROR":
+        if not name.endswith("IMPORT_ERROR"):  # the error strings are None where all is well
             assert getattr(gluon_api, name) is not None, name
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 

@@ -28,18 +28,11 @@ import triton
 import triton.language as tl
 
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
-from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
-    BLOCK_KEYS,
-    KEY0_BIAS_C,
-    LOG2E_C,
-    MAX_GRID_YZ,
-    NONE_C,
-    NULL_LOGIT_C,
-    Problem,
-    launch_options,
-    load_sequence,
-    stride_args,
-)
+from vllm_sinks.v1.attention.ops import prefill_attention_problem as problem
+# What the kernel's body reads is imported by name (Triton resolves a kernel's globals in its own
+# module); the host side reaches the shared validation and launch helpers through `problem.`.
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import (KEY0_BIAS_C, LOG2E_C, NONE_C,
+                                                                   NULL_LOGIT_C, load_sequence)
 
 
 @triton.jit
@@ -375,11 +368,11 @@ class LaunchConfig:
             raise ValueError(f"loop_layout must be one of {LOOP_LAYOUTS}, got {self.loop_layout!r}")
 
 
-def _block_d(p: Problem) -> int:
+def _block_d(p: problem.Problem) -> int:
     return max(16, triton.next_power_of_2(p.head_dim))  # tl.dot needs K >= 16
 
 
-def choose_config(p: Problem) -> LaunchConfig:
+def choose_config(p: problem.Problem) -> LaunchConfig:
     """Tile shape by problem shape (H200 measurements: docs/notes/prefill-kernel-log.md).
 
     Banded attention (a window) visits only BLOCK_T + wq + wk keys per tile, so the per-tile work is
@@ -392,10 +385,10 @@ def choose_config(p: Problem) -> LaunchConfig:
     gp_max = p.queries_per_kv & -p.queries_per_kv  # largest power of two dividing it
     block_d = _block_d(p)
     if p.dtype == torch.float32 or block_d > 128:
-        rows, cfg = 64, dict(block_n=BLOCK_KEYS, num_warps=8, num_stages=2, loop_layout="split")
+        rows, cfg = 64, dict(block_n=problem.BLOCK_KEYS, num_warps=8, num_stages=2, loop_layout="split")
     elif p.banded:
         rows = 64
-        cfg = dict(block_n=BLOCK_KEYS, num_warps=4, num_stages=3, loop_layout="edges",
+        cfg = dict(block_n=problem.BLOCK_KEYS, num_warps=4, num_stages=3, loop_layout="edges",
                    maxnreg=80 if block_d <= 64 else None)
     else:
         rows, cfg = 128, dict(block_n=64 if block_d <= 64 else 32, num_warps=8, num_stages=2,
@@ -404,7 +397,7 @@ def choose_config(p: Problem) -> LaunchConfig:
     return LaunchConfig(block_t=rows // gp, gp=gp, **cfg)
 
 
-def kernel_constexprs(p: Problem, cfg: LaunchConfig, seq_from_grid: bool) -> dict:
+def kernel_constexprs(p: problem.Problem, cfg: LaunchConfig, seq_from_grid: bool) -> dict:
     """The compile-time arguments of the kernel for a problem and tile shape, in kernel order."""
     return dict(
         NUM_HEAD_GROUPS=p.q_heads // cfg.gp, QUERIES_PER_KV=p.queries_per_kv, GP=cfg.gp,
@@ -425,7 +418,7 @@ class PortableLaunch:
     Strides are part of the front door's call signature, so they are bound here too."""
 
     name = "triton"
-    p: Problem
+    p: problem.Problem
     cfg: LaunchConfig
     scalars: tuple  # the kernel's scalar arguments after the seven tensors, in order
     grid_kwargs: dict  # constexprs, sequence from the grid
@@ -438,15 +431,15 @@ class PortableLaunch:
 
 
     @classmethod
-    def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks,
+    def plan(cls, p: problem.Problem, q, k, v, o, b_start_loc, b_seq_len, sinks,
              cfg: LaunchConfig | None = None) -> "PortableLaunch":
         """This kernel takes every valid call."""
         cfg = cfg or choose_config(p)
         if p.queries_per_kv % cfg.gp:
             raise ValueError(f"gp={cfg.gp} must divide the {p.queries_per_kv} query heads per KV head")
         scalars = (p.num_seqs, p.tokens, p.log2_scale, p.window_q, p.window_k,
-                   *stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len))
-        options = launch_options(p.device, cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                   *problem.stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len))
+        options = problem.launch_options(p.device, cfg.num_warps, cfg.num_stages, cfg.maxnreg)
         return cls(p, cfg, scalars, kernel_constexprs(p, cfg, True), kernel_constexprs(p, cfg, False),
                    options)
 
@@ -454,7 +447,7 @@ class PortableLaunch:
         """(grid, constexprs) for a host-side bound on the longest sequence, or None (search)."""
         p, cfg = self.p, self.cfg
         num_head_groups = p.q_heads // cfg.gp
-        if max_len_hint is not None and p.num_seqs <= MAX_GRID_YZ:
+        if max_len_hint is not None and p.num_seqs <= problem.MAX_GRID_YZ:
             slots = triton.cdiv(min(max(max_len_hint, 1), p.tokens), cfg.block_t)
             # + 1 slot per sequence: the tiles past a wrong bound
             return (num_head_groups * (slots + 1), p.num_seqs, 1), self.grid_kwargs
@@ -481,7 +474,7 @@ class PortableLaunch:
                          self.scalars, constexprs, self.options)
 
 
-def launch(p: Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks,
+def launch(p: problem.Problem, cfg: LaunchConfig, q, k, v, o, b_start_loc, b_seq_len, sinks,
            max_len_hint: int | None = None):
     """Run this kernel with a given tile shape on a validated problem (tests and the benchmark's
     tile sweep; the op itself goes through the front door). Returns the compiled kernel."""
