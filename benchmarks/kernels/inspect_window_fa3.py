@@ -11,7 +11,6 @@ cases are ``inspect_window_walk``'s.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
 import sys
@@ -22,8 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from benchmarks.kernels.compare_op_variants import load_module  # noqa: E402
-from benchmarks.kernels.inspect_prefill_sass import _INSTR, _cuobjdump, resources  # noqa: E402
-from benchmarks.kernels.inspect_window_walk import CASES  # noqa: E402
+from benchmarks.kernels.inspect_window_walk import CASES, read_compiled  # noqa: E402
 from benchmarks.kernels import gluon_window_attention_fa3 as fa3  # noqa: E402
 
 
@@ -70,13 +68,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     module = load_module(args.module) if args.module else fa3
     compiled = compile_fa3(args.case, args.consumers, args.pingpong, module)
-    sass = _cuobjdump(compiled, "-sass")
-    if args.sass:
-        with open(args.sass, "w") as f:
-            f.write(sass)
-    res = resources(compiled)
-    ops = collections.Counter(
-        text.split()[1 if text.startswith("@") else 0].split(".")[0] for _, text in _INSTR.findall(sass))
+    sass, res, ops = read_compiled(compiled, args.sass)
     setmaxnreg = sorted(set(re.findall(r"USETMAXREG\S*\s+[^;]*", sass)))
     print(f"triton {triton.__version__} {args.case} consumers={args.consumers} "
           f"pingpong={args.pingpong}: {res.get('reg')} registers, {res.get('stack', 0)} B stack "

@@ -51,6 +51,17 @@ def compile_walk(case: str, gw=gw):
                           options=dict(num_warps=4, maxnreg=gw._MAX_REGISTERS))
 
 
+def read_compiled(compiled, sass_path: str | None = None):
+    """(SASS, resources, opcode counts) of a compiled kernel; the SASS also written to ``sass_path``."""
+    sass = _cuobjdump(compiled, "-sass")
+    if sass_path:
+        with open(sass_path, "w") as f:
+            f.write(sass)
+    ops = collections.Counter(
+        text.split()[1 if text.startswith("@") else 0].split(".")[0] for _, text in _INSTR.findall(sass))
+    return sass, resources(compiled), ops
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", choices=sorted(CASES), default="mimo")
@@ -58,13 +69,7 @@ def main(argv=None):
     ap.add_argument("--module", help="compile this copy of gluon_window_attention.py instead")
     args = ap.parse_args(argv)
     compiled = compile_walk(args.case, load_variant(args.module) if args.module else gw)
-    sass = _cuobjdump(compiled, "-sass")
-    if args.sass:
-        with open(args.sass, "w") as f:
-            f.write(sass)
-    res = resources(compiled)
-    ops = collections.Counter(
-        text.split()[1 if text.startswith("@") else 0].split(".")[0] for _, text in _INSTR.findall(sass))
+    sass, res, ops = read_compiled(compiled, args.sass)
     print(f"{args.case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
           f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions")
     print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
