@@ -2,8 +2,9 @@
 
 All cases run with ``VLLM_SINKS_TRANSFORMERS_SINKS=off``: the Transformers backend is then exactly what
 upstream vLLM does, so this test keeps showing the bug after our fix lands. Where upstream drops the
-sinks (its ``transformers-sinks`` probe says our patch applies) the backend must be far from HF;
-where upstream already applies them (vLLM >= 0.30) it must be close. Native vLLM has its own GPT-OSS
+sinks (vLLM < 0.30: the patch's era probe finds no upstream sink lookup) the backend must be far
+from HF; where upstream's own lookup serves GPT-OSS's ``s_aux=self.sinks`` (vLLM >= 0.30) it must be
+close. (On >= 0.30 the patch is applied too, per model, so "it applies" no longer says which.) Native vLLM has its own GPT-OSS
 attention with sinks and must be close everywhere it runs.
 
 Measured on the 2-core CPU machine (fp32 reference; see the table the test prints):
@@ -43,10 +44,12 @@ def results():
 
 
 def _upstream_applies_sinks_in_transformers_backend() -> tuple[bool, str]:
-    """Ask the transformers-sinks patch's own probe (by feature, in this vLLM) whether upstream has it."""
+    """Ask the transformers-sinks patch's era probe (by feature, in this vLLM) whether upstream has its
+    own sink lookup, which resolves GPT-OSS's ``s_aux=self.sinks``."""
     patch = next(p for p in PATCHES if p.name == "transformers-sinks")
-    probe = importlib.import_module(patch.hooks).probe(detect_vllm())
-    return not probe.applies, probe.reason
+    hooks = importlib.import_module(patch.hooks)
+    info = detect_vllm()
+    return hooks._era(info) == "upstream-fix", hooks.probe(info).reason
 
 
 def test_native_vllm_bf16_matches_hf(results):
