@@ -142,35 +142,38 @@ def print_table(title: str, results: list[tuple], digits: int) -> None:
         print(f"| {label} | {kernel} | " + " | ".join(f"{rows[n]:.{digits}f}" for n in names) + " |")
 
 
-def routed_case(calls: int, peers_dir=None):
+def routed_case(upstream, calls: int, device: str = "cuda", sync=torch.cuda.synchronize) -> dict:
     """A full-attention call routed to upstream's op (1 × 128, 16 heads, D 80, bf16, int bound: a
-    kernel shorter than either launch, so the time per call is the CPU's):
-    upstream's op alone, and the same call through our front door once its route is known (planted
-    here, whichever op the timing would pick), interleaved twice. The difference is what ours adds."""
-    from benchmarks.kernels.peers import upstream_op
-
-    upstream = upstream_op(peers_dir)
-    if upstream is None:
-        return None
+    kernel shorter than either launch, so the time per call is the CPU's): ``upstream`` (the op)
+    alone, and the same call through our front door once its route is known (planted here,
+    whichever op the timing would pick), interleaved twice. The difference is what ours adds.
+    Shared with ``host_cost_cpu.py`` (a do-nothing stand-in for upstream's op, CPU tensors)."""
     n = 128
-    q = torch.randn(n, 16, 80, device="cuda").bfloat16()
+    q = torch.randn(n, 16, 80, device=device).bfloat16()
     k, v, o = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
-    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
-    lens = torch.full((1,), n, dtype=torch.int32, device="cuda")
+    starts = torch.zeros(1, dtype=torch.int32, device=device)
+    lens = torch.full((1,), n, dtype=torch.int32, device=device)
     op.use_upstream_op(upstream)
     try:
-        op._ROUTES[op.route_key(q, k, lens, n, False, None, None)] = upstream
+        op._ROUTES[op.route_key(n, False, None, None, None, False)] = (
+            op.signature_check(q, k, v, o, starts, lens), upstream)
         times = {"upstream alone": [], "routed op call": []}
         for _ in range(2):
             times["upstream alone"].append(per_call_us(
-                lambda: upstream(q, k, v, o, starts, lens, n, is_causal=False), calls))
+                lambda: upstream(q, k, v, o, starts, lens, n, is_causal=False), calls, sync=sync))
             times["routed op call"].append(per_call_us(
-                lambda: op.context_attention_fwd(q, k, v, o, starts, lens, n, is_causal=False), calls))
+                lambda: op.context_attention_fwd(q, k, v, o, starts, lens, n, is_causal=False), calls,
+                sync=sync))
     finally:
         op.use_upstream_op(None)
     rows = {name: min(ts) for name, ts in times.items()}
     rows["ours on top"] = rows["routed op call"] - rows["upstream alone"]
     return rows
+
+
+def print_routed(rows: dict, digits: int, what: str = "") -> None:
+    print(f"\nA call routed to upstream's op{what} (full attention 1×128, D 80; best of 2 "
+          "interleaved): " + ", ".join(f"{name} {us:.{digits}f} µs" for name, us in rows.items()))
 
 
 def main(argv=None):
@@ -184,10 +187,11 @@ def main(argv=None):
     results = [(label,) + case(*spec, args.calls) for label, *spec, _ in host_cases(sinks)]
     print_table(f"Host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
                 f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 1)
-    routed = routed_case(args.calls, args.peers)
-    if routed is not None:
-        print("\nA call routed to upstream's op (full attention 1×128, D 80; best of 2 interleaved): "
-              + ", ".join(f"{name} {us:.2f} µs" for name, us in routed.items()))
+    from benchmarks.kernels.peers import upstream_op
+
+    upstream = upstream_op(args.peers)
+    if upstream is not None:
+        print_routed(routed_case(upstream, args.calls), 2)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ launch is planned as on an sm_90 GPU (its platform gate is lifted for the run). 
 - launcher: ``DirectLauncher`` alone (alignment, hooks, stream, the compiled launcher);
 - triton run: Triton's ``CudaLauncher.__call__`` alone (what the launcher called before session 11).
 
-Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (wrapper and op).
+Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (wrapper and op), and
+a call routed to upstream's op (``host_cost.routed_case``, upstream's op stood in for by a function
+of its signature that does nothing): upstream alone against the call through our front door.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks.kernels import host_cost  # noqa: E402
-from benchmarks.kernels.host_cost import host_cases, print_table  # noqa: E402
+from benchmarks.kernels.host_cost import host_cases, print_routed, print_table, routed_case  # noqa: E402
 from tests.support import triton_launch_fakes as fakes  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
@@ -124,6 +126,12 @@ def mimo_layer_us(calls: int) -> float:
     return us
 
 
+def upstream_stand_in(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True,
+                      softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None):
+    """Upstream's ``context_attention_fwd`` signature, doing nothing: what a routed call costs of
+    ours is the difference between calling this through the front door and calling it alone."""
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=20000)
@@ -138,6 +146,8 @@ def main(argv=None):
                 f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 2)
     print(f"\nMiMo window layer as the patched _forward_window_attn runs it (wrapper + op, fused-QKV "
           f"views, CPU tensors): {layer:.2f} µs per call")
+    print_routed(routed_case(upstream_stand_in, args.calls, device="cpu", sync=None), 2,
+                 " (a do-nothing stand-in, CPU tensors)")
 
 
 if __name__ == "__main__":
