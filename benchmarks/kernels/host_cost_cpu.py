@@ -106,9 +106,19 @@ def case(name, tokens, hq, hkv, bound, kwargs, calls, walk: bool):
     return chosen.kernel, rows
 
 
+def vision_attention_stand_in(sinks: torch.Tensor) -> torch.nn.Module:
+    """What ``_forward_window_attn`` reads of vLLM's ``MiMoVisionAttention``: a module whose sinks are
+    a parameter (read through ``nn.Module``'s attribute lookup, as on the model), one partition."""
+    attn = torch.nn.Module()
+    attn.sinks = torch.nn.Parameter(sinks, requires_grad=False)  # vLLM's weights take no grad
+    attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = sinks.shape[0], 0, 1
+    attn.visual_token_window_size, attn.scale = 64, 64 ** -0.5
+    return attn
+
+
 def mimo_layer_us(calls: int) -> float:
     """One MiMo window layer as the patched ``_forward_window_attn`` runs it (sinks of this rank,
-    the wrapper, the op), a signature seen before: 1 × 4096 tokens, 32/8 heads, D 64, window 64,
+    the wrapper, the op) on a module like vLLM's, a signature seen before: 1 × 4096 tokens, 32/8 heads, D 64, window 64,
     ``max_seqlen`` a host tensor and ``cu_seqlens`` one tensor for every layer, as MiMo passes them."""
     from vllm_sinks.model_executor.models.mimo_v2_omni import make_forward_window_attn
 
@@ -116,12 +126,11 @@ def mimo_layer_us(calls: int) -> float:
     op.on_nvidia_gpu = lambda device: True  # the op plans the Hopper kernel, as on an sm_90 GPU
     qkv = torch.randn(4096, 48, 64).bfloat16()  # fused projection: q, k, v are views
     q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
-    attn = types.SimpleNamespace(sinks=torch.randn(32), num_heads_per_partition=32, tp_rank=0,
-                                 tp_size=1, visual_token_window_size=64, scale=64 ** -0.5)
+    attn = vision_attention_stand_in(torch.randn(32))
     forward = make_forward_window_attn("key0")
     cu, max_seqlen = torch.tensor([0, 4096], dtype=torch.int32), torch.tensor(4096)
     us = per_call_us(lambda: forward(attn, q, k, v, cu, max_seqlen), calls)
-    kernels = {chosen.kernel for key, chosen in op._PLANS.items() if key[0] == "window_attention_with_sinks"}
+    kernels = {chosen.kernel for key, chosen in op._PLANS.items() if key[0] == "window_attention_with_sinks"}  # noqa: E501
     assert kernels == {"walk"}, kernels
     return us
 

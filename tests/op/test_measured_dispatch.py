@@ -146,6 +146,11 @@ def test_a_routed_route_never_takes_another_signature(upstream, monkeypatch, cha
     assert seen == [True] and len(upstream) == 2  # measured as new, then upstream's call
     op.context_attention_fwd(q, k, v, o, starts, lens, 9, **case.op_kwargs())
     assert seen == [True] and len(upstream) == 3 and upstream[-1][0] is q
+    # both signatures are routed now, each to itself, without our key or checks
+    monkeypatch.setattr(op, "call_key", lambda *a: pytest.fail("our key built for a routed call"))
+    op.context_attention_fwd(*case.call_args(), 9, **case.op_kwargs())
+    op.context_attention_fwd(q, k, v, o, starts, lens, 9, **case.op_kwargs())
+    assert len(upstream) == 5 and upstream[-2][0] is case.q and upstream[-1][0] is q
 
 
 def test_a_route_is_the_measured_signatures_only(upstream, monkeypatch):

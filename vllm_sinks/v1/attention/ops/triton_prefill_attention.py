@@ -58,7 +58,7 @@ Each kernel's ``plan`` says whether it takes a call; the first that does, in thi
 A call signature (shapes, strides, dtypes, devices, arguments) is validated and planned once; later
 calls with it go straight to the chosen launch. Calls that upstream's op measured faster on are
 recognised by their arguments that are not tensors (``route_key``) and one C check of their tensors'
-metadata (``signature_check``), and handed over before any of ours runs: a call whose signature
+metadata (``signature_cache``), and handed over before any of ours runs: a call whose signature
 was not validated never takes that path.
 """
 
@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-from vllm_sinks.v1.attention.ops import measured_choice
+from vllm_sinks.v1.attention.ops import measured_choice, signature_cache
 from vllm_sinks.v1.attention.ops.prefill_attention_portable import PortableLaunch
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     Problem,
@@ -192,63 +192,21 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
 # and planning cost ~20 µs of Python, more than the kernel on small inputs.
 _PLANS: dict = {}
 _PLANS_MAX = 512
-# Calls that go to upstream's op, by route key (``route_key``: a few fields, read in ~0.3 µs) ->
-# (the tensor check of the signature it was planned for, upstream's op). The check
-# (``signature_check``) holds the rest of the call signature (every tensor's shape, strides, dtype,
-# device) in one C call: a call that passes both was validated and planned before, so it is handed
-# to upstream with nothing of ours run again; any other goes through the checks and the plans.
+# Calls that go to upstream's op, by route key (``route_key``: the arguments that are not tensors)
+# -> ((the C check of a validated signature's tensors, upstream's op), ...) (``signature_cache``): a
+# call that passes a check was validated and planned before, and is handed to upstream with
+# nothing of ours run again; any other goes through the checks and the plans.
 _ROUTES: dict = {}
 
 
 def route_key(max_input_len, is_causal, softmax_scale, sliding_window_q, sliding_window_k,
               sinks_bias_key0):
-    """What of a routable call (no sinks, an int bound) the tensor check does not hold: the
+    """What of a routable call (no sinks, an int bound) its tensors' check does not hold: the
     arguments that are not tensors. ``context_attention_fwd`` builds the same tuple inline (a
-    function call is a fifth of the budget of a routed call); the bound's value is in it because
+    function call is a tenth of the budget of a routed call); the bound's value is in it because
     which op is faster depends on it."""
     return (max_input_len, is_causal, softmax_scale, sliding_window_q, sliding_window_k,
             sinks_bias_key0)
-
-
-def _tensor_guards():
-    try:  # torch's own tensor check (what torch.compile's guards use), where this torch has it
-        from torch._C._dynamo.guards import TensorGuards
-    except ImportError:  # pragma: no cover - then no route: every call takes the cached plan
-        return None
-    return TensorGuards
-
-
-def signature_check(*tensors):
-    """A C function that says whether its arguments have these tensors' dtypes, devices, shapes and
-    strides (and torch's dispatch keys, requires_grad): ~0.12 µs a tensor, a third of reading them
-    in Python. None where this torch has no such check (then calls take the plan cache)."""
-    guards = _tensor_guards()
-    if guards is None:
-        return None
-    try:
-        check = guards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                       dynamic_dims_strides=[list(t.stride()) for t in tensors]).check
-        return check if check(*tensors) else None
-    except Exception:  # noqa: BLE001 - a torch whose private check takes other arguments
-        return None
-
-
-def _add_route(chosen: Plan, q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
-               softmax_scale, sliding_window_q, sliding_window_k, sinks_bias_key0) -> None:
-    """Route a validated call signature that upstream's op takes (measured) straight there. One
-    signature per route key: a second one with the same key keeps the plan cache (no thrash)."""
-    if type(max_input_len) is not int:
-        return
-    key = route_key(max_input_len, is_causal, softmax_scale, sliding_window_q, sliding_window_k,
-                    sinks_bias_key0)
-    if key in _ROUTES:
-        return
-    check = signature_check(q, k, v, o, b_start_loc, b_seq_len)
-    if check is None:
-        return
-    if len(_ROUTES) >= _PLANS_MAX:
-        _ROUTES.clear()
-    _ROUTES[key] = (check, chosen.upstream.fn)
 
 
 def remember(key, chosen: Plan) -> Plan:
@@ -273,10 +231,11 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
                                  sliding_window_k, sinks_bias_key0))
         except TypeError:  # unhashable arguments: validate says what is wrong
             route = None
-        if route is not None and route[0](q, k, v, o, b_start_loc, b_seq_len):
-            route[1](q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
-                     sliding_window_q, sliding_window_k)
-            return
+        for check, upstream in route or ():
+            if check(q, k, v, o, b_start_loc, b_seq_len):
+                upstream(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
+                         softmax_scale, sliding_window_q, sliding_window_k)
+                return
     key = call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
                    sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     chosen = _PLANS.get(key) if key is not None else None
@@ -284,7 +243,10 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
         chosen = remember(key, plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
                                     softmax_scale, sliding_window_q, sliding_window_k, sinks,
                                     sinks_bias_key0))
-    if chosen.upstream is not None and chosen.measured:  # validated, and upstream measured faster
-        _add_route(chosen, q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
-                   softmax_scale, sliding_window_q, sliding_window_k, sinks_bias_key0)
+    if chosen.upstream is not None and chosen.measured and type(max_input_len) is int:
+        # validated, and upstream measured faster: the next call with this signature goes there
+        signature_cache.remember(_ROUTES, route_key(max_input_len, is_causal, softmax_scale,
+                                                    sliding_window_q, sliding_window_k,
+                                                    sinks_bias_key0),
+                                 (q, k, v, o, b_start_loc, b_seq_len), chosen.upstream.fn)
     chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
