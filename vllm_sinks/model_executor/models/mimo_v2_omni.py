@@ -145,9 +145,6 @@ _KEY0_OF = {KEY0: True, NULL: False}
 #: that are not tensors -> ((check of the tensors, plan), ...), ``signature_cache``).
 _WRAPPER_KEY = "window_attention_with_sinks"
 _SEEN_KEY = "window_attention_with_sinks: seen signatures"
-# Stand-ins in the seen-signature check for an absent sink and an int bound (torch's check takes
-# tensors only, each once: q cannot stand in).
-_NO_SINKS, _INT_BOUND = torch.empty(0), torch.empty(0)
 
 
 def window_attention_with_sinks(
@@ -193,8 +190,8 @@ def window_attention_with_sinks(
                                   sinks is None), max_seqlen
     else:
         seen_key, bound_tensor = (_SEEN_KEY, type(window), window, key0, softmax_scale,
-                                  sinks is None, type(max_seqlen), max_seqlen), _INT_BOUND
-    sink_tensor = _NO_SINKS if sinks is None else sinks
+                                  sinks is None, type(max_seqlen), max_seqlen), _OPS[2].INT_BOUND
+    sink_tensor = _OPS[2].NO_SINKS if sinks is None else sinks
     chosen = None
     try:
         seen = mod._PLANS.get(seen_key)

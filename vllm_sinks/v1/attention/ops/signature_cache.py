@@ -19,9 +19,16 @@ takes the slow path: slower, never wrong.
 
 from __future__ import annotations
 
+import torch
+
 #: Signatures kept per scalar key (a ViT's images change the token count from one pass to the next;
 #: alternating shapes must not rebuild the check on every call) and scalar keys per cache.
 WAYS, MAX_KEYS = 4, 512
+
+
+# Stand-ins in a check for an absent sink and an int bound (the check takes tensors only, and each
+# tensor once: an argument of the call cannot stand in for another).
+NO_SINKS, INT_BOUND = torch.empty(0), torch.empty(0)
 
 
 def _tensor_guards():

@@ -56,7 +56,9 @@ Each kernel's ``plan`` says whether it takes a call; the first that does, in thi
 3. ``prefill_attention_portable.PortableLaunch`` — the portable Triton kernel: every call.
 
 A call signature (shapes, strides, dtypes, devices, arguments) is validated and planned once; later
-calls with it go straight to the chosen launch. Calls that upstream's op measured faster on are
+calls with it go straight to the chosen launch, recognised by their arguments that are not tensors
+and one C check of their tensors' metadata (``signature_cache``; the plan cache's key, ``call_key``,
+is built on a miss only). Calls that upstream's op measured faster on are
 recognised by their arguments that are not tensors (``route_key``) and one C check of their tensors'
 metadata (``signature_cache``), and handed over before any of ours runs: a call whose signature
 was not validated never takes that path.
@@ -66,6 +68,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Callable
+
+import torch
 
 from vllm_sinks.v1.attention.ops import measured_choice, signature_cache
 from vllm_sinks.v1.attention.ops.prefill_attention_portable import PortableLaunch
@@ -91,6 +95,7 @@ def use_upstream_op(fn: Callable | None) -> None:
     never."""
     _UPSTREAM[:] = [fn] if fn is not None else []
     _PLANS.clear()
+    _SEEN.clear()
     _ROUTES.clear()
 
 
@@ -192,6 +197,10 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
 # and planning cost ~20 µs of Python, more than the kernel on small inputs.
 _PLANS: dict = {}
 _PLANS_MAX = 512
+# The same plans by the arguments that are not tensors -> ((the C check of a validated signature's
+# tensors, its plan), ...) (``signature_cache``): a seen signature costs ~1 µs of Python where its
+# call key costs ~3 (the key is built on a miss only).
+_SEEN: dict = {}
 # Calls that go to upstream's op, by route key (``route_key``: the arguments that are not tensors)
 # -> ((the C check of a validated signature's tensors, upstream's op), ...) (``signature_cache``): a
 # call that passes a check was validated and planned before, and is handed to upstream with
@@ -236,6 +245,24 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
                 upstream(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
                          softmax_scale, sliding_window_q, sliding_window_k)
                 return
+    # A signature of ours seen before: the arguments that are not tensors (the bound's kind, not its
+    # value, as in call_key), then one C check of the tensors' metadata (signature_cache).
+    sink_tensor = signature_cache.NO_SINKS if sinks is None else sinks
+    try:
+        if isinstance(max_input_len, torch.Tensor):
+            seen_key, bound_tensor = (is_causal, softmax_scale, sliding_window_q, sliding_window_k,
+                                      sinks is None, sinks_bias_key0), max_input_len
+        else:
+            seen_key, bound_tensor = (is_causal, softmax_scale, sliding_window_q, sliding_window_k,
+                                      sinks is None, sinks_bias_key0, type(max_input_len),
+                                      max_input_len >= 0), signature_cache.INT_BOUND
+        seen = _SEEN.get(seen_key)
+    except TypeError:  # unhashable or incomparable arguments: validate says what is wrong
+        seen_key = seen = None
+    for check, chosen in seen or ():
+        if check(q, k, v, o, b_start_loc, b_seq_len, sink_tensor, bound_tensor):
+            chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
+            return
     key = call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
                    sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     chosen = _PLANS.get(key) if key is not None else None
@@ -243,10 +270,13 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
         chosen = remember(key, plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
                                     softmax_scale, sliding_window_q, sliding_window_k, sinks,
                                     sinks_bias_key0))
-    if chosen.upstream is not None and chosen.measured and type(max_input_len) is int:
-        # validated, and upstream measured faster: the next call with this signature goes there
-        signature_cache.remember(_ROUTES, route_key(max_input_len, is_causal, softmax_scale,
-                                                    sliding_window_q, sliding_window_k,
-                                                    sinks_bias_key0),
-                                 (q, k, v, o, b_start_loc, b_seq_len), chosen.upstream.fn)
+    if chosen.measured:  # validated: the next call with this signature skips all of the above
+        if chosen.upstream is not None and type(max_input_len) is int:  # straight to upstream
+            signature_cache.remember(_ROUTES, route_key(max_input_len, is_causal, softmax_scale,
+                                                        sliding_window_q, sliding_window_k,
+                                                        sinks_bias_key0),
+                                     (q, k, v, o, b_start_loc, b_seq_len), chosen.upstream.fn)
+        elif seen_key is not None:
+            signature_cache.remember(_SEEN, seen_key, (q, k, v, o, b_start_loc, b_seq_len,
+                                                       sink_tensor, bound_tensor), chosen)
     chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
