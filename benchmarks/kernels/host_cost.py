@@ -20,8 +20,10 @@ queue never fills and the CPU never waits for the GPU inside the timer). Rows:
 - triton [grid]: the same kernel launched through ``kernel[grid](...)`` (Triton's own binding):
   what each launch would cost without the direct path.
 
-Then a call routed to upstream's op: upstream alone against the same call through our front door
-(``routed_case``; issue 19: ≤ 1 µs of ours on top).
+Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (``mimo_layer_us``: wrapper
+and op), and a call routed to upstream's op: upstream alone against the same call through our front
+door (``routed_case``; issue 19: ≤ 1 µs of ours on top), with upstream's op (``--peers``) and with
+a do-nothing stand-in of its signature (what ours adds, without upstream's launch).
 
 ``host_cost_cpu.py`` times the Python layers above the C launch on a CPU (no GPU needed).
 """
@@ -172,6 +174,38 @@ def routed_case(upstream, calls: int, device: str = "cuda", sync=torch.cuda.sync
     return rows
 
 
+def upstream_stand_in(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True,
+                      softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None):
+    """Upstream's ``context_attention_fwd`` signature, doing nothing: what a routed call costs of
+    ours is the difference between calling this through the front door and calling it alone."""
+
+
+def vision_attention_stand_in(sinks: torch.Tensor) -> torch.nn.Module:
+    """What ``_forward_window_attn`` reads of vLLM's ``MiMoVisionAttention``: a module whose sinks are
+    a parameter (read through ``nn.Module``'s attribute lookup, as on the model), one partition."""
+    attn = torch.nn.Module()
+    attn.sinks = torch.nn.Parameter(sinks, requires_grad=False)  # vLLM's weights take no grad
+    attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = sinks.shape[0], 0, 1
+    attn.visual_token_window_size, attn.scale = 64, 64 ** -0.5
+    return attn
+
+
+def mimo_layer_us(calls: int, device: str = "cuda", sync=torch.cuda.synchronize) -> float:
+    """One MiMo window layer as the patched ``_forward_window_attn`` runs it (sinks of this rank,
+    the wrapper, the op) on a module like vLLM's, a signature seen before: 1 × 4096 tokens, 32/8
+    heads, D 64, window 64, q, k, v views of one fused projection, ``max_seqlen`` a host tensor
+    and ``cu_seqlens`` one tensor for every layer, as MiMo passes them."""
+    from vllm_sinks.model_executor.models.mimo_v2_omni import make_forward_window_attn
+
+    qkv = torch.randn(4096, 48, 64, device=device).bfloat16()
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    attn = vision_attention_stand_in(torch.randn(32, device=device))
+    forward = make_forward_window_attn("key0")
+    cu = torch.tensor([0, 4096], dtype=torch.int32, device=device)
+    max_seqlen = torch.tensor(4096)
+    return per_call_us(lambda: forward(attn, q, k, v, cu, max_seqlen), calls, sync=sync)
+
+
 def print_routed(rows: dict, digits: int, what: str = "") -> None:
     print(f"\nA call routed to upstream's op{what} (full attention 1×128, D 80; best of 2 "
           "interleaved): " + ", ".join(f"{name} {us:.{digits}f} µs" for name, us in rows.items()))
@@ -188,11 +222,15 @@ def main(argv=None):
     results = [(label,) + case(*spec, args.calls) for label, *spec, _ in host_cases(sinks)]
     print_table(f"Host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
                 f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 1)
+    print(f"\nMiMo window layer as the patched _forward_window_attn runs it (wrapper + op, fused-QKV "
+          f"views): {mimo_layer_us(args.calls):.2f} µs per call")
     from benchmarks.kernels.peers import upstream_op
 
     upstream = upstream_op(args.peers)
     if upstream is not None:
         print_routed(routed_case(upstream, args.calls), 2)
+    # what ours adds, without upstream's own launch in the difference (its noise is µs)
+    print_routed(routed_case(upstream_stand_in, args.calls), 2, " (a do-nothing stand-in)")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks.kernels import host_cost  # noqa: E402
-from benchmarks.kernels.host_cost import host_cases, print_routed, print_table, routed_case  # noqa: E402
+from benchmarks.kernels.host_cost import (  # noqa: E402
+    host_cases,
+    print_routed,
+    print_table,
+    routed_case,
+    upstream_stand_in,
+)
 from tests.support import triton_launch_fakes as fakes  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
@@ -106,39 +112,15 @@ def case(name, tokens, hq, hkv, bound, kwargs, calls, walk: bool):
     return chosen.kernel, rows
 
 
-def vision_attention_stand_in(sinks: torch.Tensor) -> torch.nn.Module:
-    """What ``_forward_window_attn`` reads of vLLM's ``MiMoVisionAttention``: a module whose sinks are
-    a parameter (read through ``nn.Module``'s attribute lookup, as on the model), one partition."""
-    attn = torch.nn.Module()
-    attn.sinks = torch.nn.Parameter(sinks, requires_grad=False)  # vLLM's weights take no grad
-    attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = sinks.shape[0], 0, 1
-    attn.visual_token_window_size, attn.scale = 64, 64 ** -0.5
-    return attn
-
-
 def mimo_layer_us(calls: int) -> float:
-    """One MiMo window layer as the patched ``_forward_window_attn`` runs it (sinks of this rank,
-    the wrapper, the op) on a module like vLLM's, a signature seen before: 1 × 4096 tokens, 32/8 heads, D 64, window 64,
-    ``max_seqlen`` a host tensor and ``cu_seqlens`` one tensor for every layer, as MiMo passes them."""
-    from vllm_sinks.model_executor.models.mimo_v2_omni import make_forward_window_attn
-
+    """``host_cost.mimo_layer_us`` on CPU tensors, the Hopper kernel planned as on an sm_90 GPU."""
     gw.walk_unavailable, gw._sm_count = (lambda device: None), (lambda device: 132)
-    op.on_nvidia_gpu = lambda device: True  # the op plans the Hopper kernel, as on an sm_90 GPU
-    qkv = torch.randn(4096, 48, 64).bfloat16()  # fused projection: q, k, v are views
-    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
-    attn = vision_attention_stand_in(torch.randn(32))
-    forward = make_forward_window_attn("key0")
-    cu, max_seqlen = torch.tensor([0, 4096], dtype=torch.int32), torch.tensor(4096)
-    us = per_call_us(lambda: forward(attn, q, k, v, cu, max_seqlen), calls)
-    kernels = {chosen.kernel for key, chosen in op._PLANS.items() if key[0] == "window_attention_with_sinks"}  # noqa: E501
+    op.on_nvidia_gpu = lambda device: True
+    us = host_cost.mimo_layer_us(calls, "cpu", sync=None)
+    kernels = {chosen.kernel for key, chosen in op._PLANS.items()
+               if key[0] == "window_attention_with_sinks"}
     assert kernels == {"walk"}, kernels
     return us
-
-
-def upstream_stand_in(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True,
-                      softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None):
-    """Upstream's ``context_attention_fwd`` signature, doing nothing: what a routed call costs of
-    ours is the difference between calling this through the front door and calling it alone."""
 
 
 def main(argv=None):
