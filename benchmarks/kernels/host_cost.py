@@ -8,8 +8,9 @@ kernel). Each row is the median over 7 repetitions of a CPU timer around ``--cal
 work only queued (synchronised outside the timer every ``SYNC_EVERY`` calls, so that the launch
 queue never fills and the CPU never waits for the GPU inside the timer). Rows:
 
-- call key: building the call signature (``prefill_attention_problem.call_key``);
-- op call: ``context_attention_fwd`` end to end (key, plan lookup, launch);
+- call key: building the call signature (``prefill_attention_problem.call_key``), which since
+  session 15 only a signature not seen before pays (``signature_cache``);
+- op call: ``context_attention_fwd`` end to end (seen-signature check, launch);
 - plan launch: the chosen kernel's launch object on this call's tensors (grid by bound, then
   ``DirectLauncher``: alignment, hooks, stream, and the C launch called directly where the Triton
   release allows it, else Triton's compiled launcher);

@@ -39,19 +39,26 @@ def _tensor_guards():
     return TensorGuards
 
 
+_GUARDS: list = []  # [torch's TensorGuards class, or None once it is missing or refused its arguments]
+
+
 def signature_check(*tensors):
     """A C function that takes as many tensors and says whether they have these tensors' dtypes,
     devices, shapes and strides (and dispatch keys and requires_grad, which do not change between
-    a model's calls). None where this torch has no such check, or it refuses these tensors."""
-    guards = _tensor_guards()
+    a model's calls). None where this torch has no such check (then never tried again: each try
+    costs µs) or it refuses these tensors (one tensor passed twice)."""
+    if not _GUARDS:
+        _GUARDS.append(_tensor_guards())
+    guards = _GUARDS[0]
     if guards is None:
         return None
     try:
         check = guards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
                        dynamic_dims_strides=[list(t.stride()) for t in tensors]).check
-        return check if check(*tensors) else None
     except Exception:  # noqa: BLE001 - a torch whose private check takes other arguments
+        _GUARDS[0] = None
         return None
+    return check if check(*tensors) else None
 
 
 def remember(cache: dict, key, tensors: tuple, value) -> None:
