@@ -58,10 +58,9 @@ Each kernel's ``plan`` says whether it takes a call; the first that does, in thi
 A call signature (shapes, strides, dtypes, devices, arguments) is validated and planned once; later
 calls with it go straight to the chosen launch, recognised by their arguments that are not tensors
 and one C check of their tensors' metadata (``signature_cache``; the plan cache's key, ``call_key``,
-is built on a miss only). Calls that upstream's op measured faster on are
-recognised by their arguments that are not tensors (``route_key``) and one C check of their tensors'
-metadata (``signature_cache``), and handed over before any of ours runs: a call whose signature
-was not validated never takes that path.
+is built on a miss only). Calls that upstream's op measured faster on (int bound) are recognised
+the same way (``route_key``) and handed to it before any of ours runs. A call whose whole
+signature was not validated before never takes either path.
 """
 
 from __future__ import annotations
