@@ -8,8 +8,9 @@ kernel). Each row is the median over 7 repetitions of a CPU timer around ``--cal
 work only queued (synchronised outside the timer every ``SYNC_EVERY`` calls, so that the launch
 queue never fills and the CPU never waits for the GPU inside the timer). Rows:
 
-- call key: building the call signature (``prefill_attention_problem.call_key``);
-- op call: ``context_attention_fwd`` end to end (key, plan lookup, launch);
+- call key: building the call signature (``prefill_attention_problem.call_key``), which since
+  session 15 only a signature not seen before pays (``signature_cache``);
+- op call: ``context_attention_fwd`` end to end (seen-signature check, launch);
 - plan launch: the chosen kernel's launch object on this call's tensors (grid by bound, then
   ``DirectLauncher``: alignment, hooks, stream, and the C launch called directly where the Triton
   release allows it, else Triton's compiled launcher);
@@ -20,8 +21,10 @@ queue never fills and the CPU never waits for the GPU inside the timer). Rows:
 - triton [grid]: the same kernel launched through ``kernel[grid](...)`` (Triton's own binding):
   what each launch would cost without the direct path.
 
-Then a call routed to upstream's op: upstream alone against the same call through our front door
-(``routed_case``; issue 19: ≤ 1 µs of ours on top).
+Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (``mimo_layer_us``: wrapper
+and op), and a call routed to upstream's op: upstream alone against the same call through our front
+door (``routed_case``; issue 19: ≤ 1 µs of ours on top), with upstream's op (``--peers``) and with
+a do-nothing stand-in of its signature (what ours adds, without upstream's launch).
 
 ``host_cost_cpu.py`` times the Python layers above the C launch on a CPU (no GPU needed).
 """
@@ -41,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops import kernel_launcher  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
+from vllm_sinks.v1.attention.ops import signature_cache  # noqa: E402
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # noqa: E402
 
@@ -142,35 +146,70 @@ def print_table(title: str, results: list[tuple], digits: int) -> None:
         print(f"| {label} | {kernel} | " + " | ".join(f"{rows[n]:.{digits}f}" for n in names) + " |")
 
 
-def routed_case(calls: int, peers_dir=None):
+def routed_case(upstream, calls: int, device: str = "cuda", sync=torch.cuda.synchronize) -> dict:
     """A full-attention call routed to upstream's op (1 × 128, 16 heads, D 80, bf16, int bound: a
-    kernel shorter than either launch, so the time per call is the CPU's):
-    upstream's op alone, and the same call through our front door once its route is known (planted
-    here, whichever op the timing would pick), interleaved twice. The difference is what ours adds."""
-    from benchmarks.kernels.peers import upstream_op
-
-    upstream = upstream_op(peers_dir)
-    if upstream is None:
-        return None
+    kernel shorter than either launch, so the time per call is the CPU's): ``upstream`` (the op)
+    alone, and the same call through our front door once its route is known (planted here,
+    whichever op the timing would pick), interleaved twice. The difference is what ours adds.
+    Shared with ``host_cost_cpu.py`` (a do-nothing stand-in for upstream's op, CPU tensors)."""
     n = 128
-    q = torch.randn(n, 16, 80, device="cuda").bfloat16()
+    q = torch.randn(n, 16, 80, device=device).bfloat16()
     k, v, o = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
-    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
-    lens = torch.full((1,), n, dtype=torch.int32, device="cuda")
+    starts = torch.zeros(1, dtype=torch.int32, device=device)
+    lens = torch.full((1,), n, dtype=torch.int32, device=device)
     op.use_upstream_op(upstream)
     try:
-        op._ROUTES[op.route_key(q, k, lens, n, False, None, None)] = upstream
+        signature_cache.remember(op._ROUTES, op.route_key(n, False, None, None, None, False),
+                                 (q, k, v, o, starts, lens), upstream)
         times = {"upstream alone": [], "routed op call": []}
         for _ in range(2):
             times["upstream alone"].append(per_call_us(
-                lambda: upstream(q, k, v, o, starts, lens, n, is_causal=False), calls))
+                lambda: upstream(q, k, v, o, starts, lens, n, is_causal=False), calls, sync=sync))
             times["routed op call"].append(per_call_us(
-                lambda: op.context_attention_fwd(q, k, v, o, starts, lens, n, is_causal=False), calls))
+                lambda: op.context_attention_fwd(q, k, v, o, starts, lens, n, is_causal=False), calls,
+                sync=sync))
     finally:
         op.use_upstream_op(None)
     rows = {name: min(ts) for name, ts in times.items()}
     rows["ours on top"] = rows["routed op call"] - rows["upstream alone"]
     return rows
+
+
+def upstream_stand_in(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True,
+                      softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None):
+    """Upstream's ``context_attention_fwd`` signature, doing nothing: what a routed call costs of
+    ours is the difference between calling this through the front door and calling it alone."""
+
+
+def vision_attention_stand_in(sinks: torch.Tensor) -> torch.nn.Module:
+    """What ``_forward_window_attn`` reads of vLLM's ``MiMoVisionAttention``: a module whose sinks are
+    a parameter (read through ``nn.Module``'s attribute lookup, as on the model), one partition."""
+    attn = torch.nn.Module()
+    attn.sinks = torch.nn.Parameter(sinks, requires_grad=False)  # vLLM's weights take no grad
+    attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = sinks.shape[0], 0, 1
+    attn.visual_token_window_size, attn.scale = 64, 64 ** -0.5
+    return attn
+
+
+def mimo_layer_us(calls: int, device: str = "cuda", sync=torch.cuda.synchronize) -> float:
+    """One MiMo window layer as the patched ``_forward_window_attn`` runs it (sinks of this rank,
+    the wrapper, the op) on a module like vLLM's, a signature seen before: 1 × 4096 tokens, 32/8
+    heads, D 64, window 64, q, k, v views of one fused projection, ``max_seqlen`` a host tensor
+    and ``cu_seqlens`` one tensor for every layer, as MiMo passes them."""
+    from vllm_sinks.model_executor.models.mimo_v2_omni import make_forward_window_attn
+
+    qkv = torch.randn(4096, 48, 64, device=device).bfloat16()
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    attn = vision_attention_stand_in(torch.randn(32, device=device))
+    forward = make_forward_window_attn("key0")
+    cu = torch.tensor([0, 4096], dtype=torch.int32, device=device)
+    max_seqlen = torch.tensor(4096)
+    return per_call_us(lambda: forward(attn, q, k, v, cu, max_seqlen), calls, sync=sync)
+
+
+def print_routed(rows: dict, digits: int, what: str = "") -> None:
+    print(f"\nA call routed to upstream's op{what} (full attention 1×128, D 80; best of 2 "
+          "interleaved): " + ", ".join(f"{name} {us:.{digits}f} µs" for name, us in rows.items()))
 
 
 def main(argv=None):
@@ -184,10 +223,15 @@ def main(argv=None):
     results = [(label,) + case(*spec, args.calls) for label, *spec, _ in host_cases(sinks)]
     print_table(f"Host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
                 f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 1)
-    routed = routed_case(args.calls, args.peers)
-    if routed is not None:
-        print("\nA call routed to upstream's op (full attention 1×128, D 80; best of 2 interleaved): "
-              + ", ".join(f"{name} {us:.2f} µs" for name, us in routed.items()))
+    print(f"\nMiMo window layer as the patched _forward_window_attn runs it (wrapper + op, fused-QKV "
+          f"views): {mimo_layer_us(args.calls):.2f} µs per call")
+    from benchmarks.kernels.peers import upstream_op
+
+    upstream = upstream_op(args.peers)
+    if upstream is not None:
+        print_routed(routed_case(upstream, args.calls), 2)
+    # what ours adds, without upstream's own launch in the difference (its noise is µs)
+    print_routed(routed_case(upstream_stand_in, args.calls), 2, " (a do-nothing stand-in)")
 
 
 if __name__ == "__main__":

@@ -11,13 +11,16 @@ the GPU, the C launch (argument parsing, ``cuLaunchKernelEx``) costs ~nothing. T
 launch is planned as on an sm_90 GPU (its platform gate is lifted for the run). Rows (median of 7
 × ``--calls`` calls, µs per call):
 
-- call key: ``call_key`` (the call signature);
-- op call: ``context_attention_fwd`` end to end (key, plan lookup, plan, launch object, launcher);
+- call key: ``call_key`` (the call signature; since session 15 built only for a signature not seen
+  before);
+- op call: ``context_attention_fwd`` end to end (seen-signature check, launch object, launcher);
 - plan launch: the chosen launch object (``WalkLaunch`` / ``PortableLaunch``) on this call's tensors;
 - launcher: ``DirectLauncher`` alone (alignment, hooks, stream, the compiled launcher);
 - triton run: Triton's ``CudaLauncher.__call__`` alone (what the launcher called before session 11).
 
-Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (wrapper and op).
+Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (wrapper and op), and
+a call routed to upstream's op (``host_cost.routed_case``, upstream's op stood in for by a function
+of its signature that does nothing): upstream alone against the call through our front door.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks.kernels import host_cost  # noqa: E402
-from benchmarks.kernels.host_cost import host_cases, print_table  # noqa: E402
+from benchmarks.kernels.host_cost import (  # noqa: E402
+    host_cases,
+    print_routed,
+    print_table,
+    routed_case,
+    upstream_stand_in,
+)
 from tests.support import triton_launch_fakes as fakes  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
@@ -105,21 +114,12 @@ def case(name, tokens, hq, hkv, bound, kwargs, calls, walk: bool):
 
 
 def mimo_layer_us(calls: int) -> float:
-    """One MiMo window layer as the patched ``_forward_window_attn`` runs it (sinks of this rank,
-    the wrapper, the op), a signature seen before: 1 × 4096 tokens, 32/8 heads, D 64, window 64,
-    ``max_seqlen`` a host tensor and ``cu_seqlens`` one tensor for every layer, as MiMo passes them."""
-    from vllm_sinks.model_executor.models.mimo_v2_omni import make_forward_window_attn
-
+    """``host_cost.mimo_layer_us`` on CPU tensors, the Hopper kernel planned as on an sm_90 GPU."""
     gw.walk_unavailable, gw._sm_count = (lambda device: None), (lambda device: 132)
-    op.on_nvidia_gpu = lambda device: True  # the op plans the Hopper kernel, as on an sm_90 GPU
-    qkv = torch.randn(4096, 48, 64).bfloat16()  # fused projection: q, k, v are views
-    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
-    attn = types.SimpleNamespace(sinks=torch.randn(32), num_heads_per_partition=32, tp_rank=0,
-                                 tp_size=1, visual_token_window_size=64, scale=64 ** -0.5)
-    forward = make_forward_window_attn("key0")
-    cu, max_seqlen = torch.tensor([0, 4096], dtype=torch.int32), torch.tensor(4096)
-    us = per_call_us(lambda: forward(attn, q, k, v, cu, max_seqlen), calls)
-    kernels = {chosen.kernel for key, chosen in op._PLANS.items() if key[0] == "window_attention_with_sinks"}
+    op.on_nvidia_gpu = lambda device: True
+    us = host_cost.mimo_layer_us(calls, "cpu", sync=None)
+    kernels = {chosen.kernel for key, chosen in op._PLANS.items()
+               if key[0] == "window_attention_with_sinks"}
     assert kernels == {"walk"}, kernels
     return us
 
@@ -138,6 +138,8 @@ def main(argv=None):
                 f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 2)
     print(f"\nMiMo window layer as the patched _forward_window_attn runs it (wrapper + op, fused-QKV "
           f"views, CPU tensors): {layer:.2f} µs per call")
+    print_routed(routed_case(upstream_stand_in, args.calls, device="cpu", sync=None), 2,
+                 " (a do-nothing stand-in, CPU tensors)")
 
 
 if __name__ == "__main__":

@@ -91,18 +91,79 @@ def test_windows_and_sinks_stay_ours(upstream, monkeypatch, change):
     assert upstream == []
 
 
-def test_bad_input_on_a_routed_shape_is_upstreams_own_behaviour(upstream, monkeypatch):
-    """A routed call is upstream's call: our checks do not run on it (what upstream does with it
-    is what vLLM without the plugin does)."""
+def _routed(upstream, monkeypatch, seed):
+    """A full-attention case whose signature upstream's op took (measured), then routed."""
     monkeypatch.setattr(measured_choice, "challenger_wins", lambda default, challenger: (False, 0.9))
-    case = _full(seed=5)
+    case = _full(seed=seed)
     op.context_attention_fwd(*case.call_args(), 9, **case.op_kwargs())
-    bad = dict(case.op_kwargs(), softmax_scale=-1.0)
-    op.context_attention_fwd(*case.call_args(), 9, **bad)  # the routed shape: upstream's call
-    assert len(upstream) == 2 and upstream[-1][8] == -1.0
-    other = _full(seed=6, lens=(5, 10))  # a shape not routed: our checks
+    assert len(op._ROUTES) == 1 and len(upstream) == 1
+    return case
+
+
+def test_bad_input_on_a_routed_shape_gets_our_checks(upstream, monkeypatch):
+    """Only a signature validated before is routed: bad arguments beside routed tensors are a new
+    signature, and our checks say what is wrong."""
+    case = _routed(upstream, monkeypatch, seed=5)
     with pytest.raises(ValueError, match="softmax_scale"):
-        op.context_attention_fwd(*other.call_args(), 10, **dict(other.op_kwargs(), softmax_scale=-1.0))
+        op.context_attention_fwd(*case.call_args(), 9, **dict(case.op_kwargs(), softmax_scale=-1.0))
+    with pytest.raises(ValueError, match="max_input_len"):
+        op.context_attention_fwd(*case.call_args(), -1, **case.op_kwargs())
+    q, k, v, o, starts, lens = case.call_args()
+    with pytest.raises(ValueError, match="share a dtype"):
+        op.context_attention_fwd(q, k, v.double(), o, starts, lens, 9, **case.op_kwargs())
+    with pytest.raises(ValueError, match="same shape"):
+        op.context_attention_fwd(q, k, v[:, :1], o, starts, lens, 9, **case.op_kwargs())
+    with pytest.raises(ValueError, match="unit stride"):
+        strided = torch.empty(*v.shape[:2], 2 * v.shape[2])[..., ::2].copy_(v)
+        op.context_attention_fwd(q, k, strided, o, starts, lens, 9, **case.op_kwargs())
+    with pytest.raises(ValueError, match="b_seq_len must be int32 or int64"):
+        op.context_attention_fwd(q, k, v, o, starts, lens.float(), 9, **case.op_kwargs())
+    with pytest.raises(ValueError, match="one device"):
+        op.context_attention_fwd(q, k, v, o.to("meta"), starts, lens, 9, **case.op_kwargs())
+    assert len(upstream) == 1  # none of them reached upstream's op
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "stride", "sequences"])
+def test_a_routed_route_never_takes_another_signature(upstream, monkeypatch, change):
+    """A valid call differing from the routed signature in one tensor's dtype, shape or strides is
+    planned (and measured) as its own signature: the route of the other is not reused."""
+    case = _routed(upstream, monkeypatch, seed=8)
+    q, k, v, o, starts, lens = case.call_args()
+    if change == "dtype":
+        q, k, v, o = (t.bfloat16() for t in (q, k, v, o))
+    elif change == "shape":  # one more query head: Hq 4 over Hkv 2 (GQA)
+        q, o = torch.cat([q, q], dim=1), torch.cat([o, o], dim=1)
+    elif change == "stride":  # the same values in a padded buffer
+        wide = torch.zeros(q.shape[0], q.shape[1], q.shape[2] + 8)
+        q = wide[..., :q.shape[2]].copy_(q)
+    else:  # the same rows as one sequence (a bound too small costs time, never output)
+        starts, lens = starts[:1].clone(), lens.sum(0, keepdim=True).to(lens.dtype)
+    # the same route key (bound, flags): only the tensor check tells the signatures apart
+    seen = []
+    monkeypatch.setattr(measured_choice, "challenger_wins",
+                        lambda default, challenger: seen.append(True) or (False, 0.9))
+    op.context_attention_fwd(q, k, v, o, starts, lens, 9, **case.op_kwargs())
+    assert seen == [True] and len(upstream) == 2  # measured as new, then upstream's call
+    op.context_attention_fwd(q, k, v, o, starts, lens, 9, **case.op_kwargs())
+    assert seen == [True] and len(upstream) == 3 and upstream[-1][0] is q
+    # both signatures are routed now, each to itself, without our key or checks
+    monkeypatch.setattr(op, "call_key", lambda *a: pytest.fail("our key built for a routed call"))
+    op.context_attention_fwd(*case.call_args(), 9, **case.op_kwargs())
+    op.context_attention_fwd(q, k, v, o, starts, lens, 9, **case.op_kwargs())
+    assert len(upstream) == 5 and upstream[-2][0] is case.q and upstream[-1][0] is q
+
+
+def test_a_route_is_the_measured_signatures_only(upstream, monkeypatch):
+    """Routes are made for upstream's measured wins with an int bound; ours winning, a tensor
+    bound or an unmeasured choice (graph capture) route nothing."""
+    monkeypatch.setattr(measured_choice, "challenger_wins", lambda default, challenger: (True, 1.2))
+    case = _full(seed=9)
+    op.context_attention_fwd(*case.call_args(), 9, **case.op_kwargs())
+    monkeypatch.setattr(measured_choice, "challenger_wins", lambda default, challenger: (False, 0.9))
+    op.context_attention_fwd(*case.call_args(), torch.tensor(9), **case.op_kwargs())
+    assert not op._ROUTES and len(upstream) == 1  # upstream's (tensor bound: no route)
+    op.context_attention_fwd(*case.call_args(), torch.tensor(9), **case.op_kwargs())
+    assert not op._ROUTES and len(upstream) == 2
 
 
 def test_ours_failing_during_the_timing_leaves_the_call_to_upstream(upstream, monkeypatch):

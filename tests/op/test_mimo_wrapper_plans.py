@@ -75,3 +75,64 @@ def test_null_semantics_and_no_sinks_are_their_own_signatures():
     assert relative_l2(key0, _ref(q, k, v, cu, 3, sinks, True)) < 1e-5
     assert relative_l2(null, _ref(q, k, v, cu, 3, sinks, False)) < 1e-5
     assert relative_l2(none, _ref(q, k, v, cu, 3, None)) < 1e-5
+
+
+def test_a_seen_signature_skips_the_full_key_and_another_signature_does_not(monkeypatch):
+    """A call of a seen signature is recognised by its scalar arguments and one check of its
+    tensors' metadata; a tensor with another dtype, shape or strides is a signature of its own."""
+    q, k, v, cu, sinks = _inputs(5)
+    bound = torch.tensor(12)
+    fork.window_attention_with_sinks(q, k, v, cu, bound, 3, sinks)
+    real = fork._plan_window_call
+    planned = []
+    monkeypatch.setattr(fork, "_plan_window_call", lambda *a: planned.append(a) or real(*a))
+    fork.window_attention_with_sinks(q, k, v, cu, bound, 3, sinks)
+    assert planned == []
+    changed = [
+        (q, k, v, cu, sinks.to(torch.bfloat16)),  # a sink dtype
+        (q.contiguous(), k, v, cu, sinks),  # q's strides (not a view of the fused projection)
+        (q, k, v, torch.tensor([0, 7, 12, 19], dtype=cu.dtype, device=cu.device), sinks),  # 3 images
+        (q, k, v, cu.long(), sinks),  # cu_seqlens' dtype
+    ]
+    for i, (q2, k2, v2, cu2, s2) in enumerate(changed, 1):
+        out = fork.window_attention_with_sinks(q2, k2, v2, cu2, bound, 3, s2)
+        assert len(planned) == i, i  # not taken for the seen signature
+        assert relative_l2(out, _ref(q2, k2, v2, cu2, 3, s2.float())) < 1e-2
+        fork.window_attention_with_sinks(q2, k2, v2, cu2, bound, 3, s2)
+        assert len(planned) == i, i  # now seen itself
+    fork.window_attention_with_sinks(q, k, v, cu, torch.tensor(12, dtype=torch.int32), 3, sinks)
+    assert len(planned) == len(changed) + 1  # the bound's dtype is part of the signature too
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v, cu, s: (q, k[:, :1], v, cu, s), "head counts differ"),
+    (lambda q, k, v, cu, s: (q, k, v, cu.float(), s), "cu_seqlens must be a 1-D integer"),
+    (lambda q, k, v, cu, s: (q[..., :8], k, v, cu, s), "head dims differ"),
+    (lambda q, k, v, cu, s: (q, k, v.double(), cu, s), "share a dtype"),
+])
+def test_bad_tensors_beside_a_seen_signature_get_the_checks(bad, match):
+    q, k, v, cu, sinks = _inputs(6)
+    fork.window_attention_with_sinks(q, k, v, cu, 12, 3, sinks)
+    q2, k2, v2, cu2, s2 = bad(q, k, v, cu, sinks)
+    with pytest.raises(ValueError, match=match):
+        fork.window_attention_with_sinks(q2, k2, v2, cu2, 12, 3, s2)
+
+
+def test_sinks_are_read_from_a_modules_parameters_buffers_or_attributes():
+    """The patched layer reads its sinks per call: a parameter through the module's parameter
+    dict (nn.Module's own lookup is slow), a buffer or a plain attribute as before."""
+    def module(how):
+        m = torch.nn.Module()
+        m.num_heads_per_partition, m.tp_rank, m.tp_size = 2, 1, 2
+        sinks = torch.arange(4.0)
+        if how == "parameter":
+            m.sinks = torch.nn.Parameter(sinks, requires_grad=False)
+        elif how == "buffer":
+            m.register_buffer("sinks", sinks)
+        elif how == "attribute":
+            m.__dict__["sinks"] = sinks
+        return m
+
+    for how in ("parameter", "buffer", "attribute"):
+        assert fork.attention_sinks_for_rank(module(how)).tolist() == [2.0, 3.0], how
+    assert fork.attention_sinks_for_rank(module("none")) is None

@@ -114,3 +114,49 @@ def test_max_input_len_may_be_a_tensor_on_another_device():
         outs.append(pos[3])
     assert not outs[0].isnan().any()
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(k=torch.randn(T, HKV, D).to(torch.bfloat16)), "share a dtype"),
+    (dict(v=torch.randn(T, HKV, D)[:, :1]), "same shape"),
+    (dict(q=torch.randn(T, HQ, 2 * D)[..., ::2]), "unit stride"),
+    (dict(b_seq_len=torch.tensor([5, 7], dtype=torch.int16)), "b_seq_len must be int32 or int64"),
+    (dict(b_start_loc=torch.tensor([0], dtype=torch.int32)), "same length"),
+    (dict(sinks=torch.randn(HQ, dtype=torch.float64)), "sinks must be float32"),
+    (dict(sinks_bias_key0=1), "sinks_bias_key0 must be a bool"),
+    (dict(max_input_len=torch.tensor([7, 7])), "one-element integer tensor"),
+    (dict(max_input_len=7.0), "max_input_len must be an int"),
+    (dict(softmax_scale=float("nan")), "softmax_scale must be positive"),
+    (dict(o="o"), "o must be a torch.Tensor"),
+])
+def test_a_seen_signature_does_not_hide_a_bad_call_beside_it(bad, match):
+    """Seen calls are recognised by their arguments that are not tensors and one check of their
+    tensors' metadata (shapes, strides, dtypes, devices): a call differing in any one of them is a
+    new signature, checked."""
+    call()
+    call()
+    bad = {n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in bad.items()}
+    with pytest.raises(ValueError, match=match):
+        call(**bad)
+
+
+def test_a_seen_signature_skips_the_call_key_and_each_signature_keeps_its_plan(monkeypatch):
+    from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+
+    signatures = [good(), good(max_input_len=torch.tensor(7)), good(sinks=None),
+                  good(q=torch.randn(T, 2 * HQ, D, device=DEVICE)[:, ::2])]  # q's strides differ
+    outs = []
+    for kwargs in signatures:  # each seen once
+        call(**kwargs)
+        outs.append(kwargs["o"].clone())
+    monkeypatch.setattr(op, "call_key", lambda *a: pytest.fail("the call key built for a seen call"))
+    for kwargs, first in zip(signatures, outs):
+        kwargs["o"].fill_(float("nan"))
+        call(**kwargs)
+        torch.testing.assert_close(kwargs["o"], first, rtol=0, atol=0)
+    monkeypatch.undo()
+    strided_plan = [plan for checks in op._SEEN.values() for check, plan in checks
+                    if check(*(signatures[3][n] for n in ("q", "k", "v", "o", "b_start_loc",
+                                                          "b_seq_len", "sinks")),
+                             op.signature_cache.INT_BOUND)]
+    assert len(strided_plan) == 1  # the strided q's own plan, no other signature's

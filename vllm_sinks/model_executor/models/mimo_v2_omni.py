@@ -53,15 +53,19 @@ def describe_semantics(semantics: str) -> str:
     return f"sinks as null logit ({SEMANTICS_ENV}={NULL}, opt-in)"
 
 
-_OPS: list = []  # [our op's module, the module of its call checks], imported at the first call
+_OPS: list = []  # [our op's module, its call checks' module, signature_cache], at the first call
 
 
 def _our_op_module():
     # Lazy: importing Triton costs time and the op module is not needed to parse settings.
     if not _OPS:
-        from vllm_sinks.v1.attention.ops import prefill_attention_problem, triton_prefill_attention
+        from vllm_sinks.v1.attention.ops import (
+            prefill_attention_problem,
+            signature_cache,
+            triton_prefill_attention,
+        )
 
-        _OPS[:] = [triton_prefill_attention, prefill_attention_problem]
+        _OPS[:] = [triton_prefill_attention, prefill_attention_problem, signature_cache]
     return _OPS[0]
 
 
@@ -117,15 +121,15 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or \
     torch.cuda.is_current_stream_capturing
 
 
-def _split_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device):
-    """(start offsets, lengths, cu_seqlens' metadata) of ``cu_seqlens``, checked."""
+def _split_cu_seqlens(cu_seqlens: torch.Tensor, q: torch.Tensor):
+    """(start offsets, lengths, cu_seqlens' metadata) of ``cu_seqlens``, checked (on q's device)."""
     last = _LAST_SPLIT
     capturing = None
     if cu_seqlens is last[0] and cu_seqlens._version == last[1]:
         capturing = cu_seqlens.is_cuda and _capturing()
         if not capturing:
             return last[2], last[3], last[4]
-    _check_cu_seqlens(cu_seqlens, device)
+    _check_cu_seqlens(cu_seqlens, q.device)
     starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
     meta = (cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.get_device())
     if capturing is None:
@@ -137,8 +141,10 @@ def _split_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device):
 
 _KEY0_OF = {KEY0: True, NULL: False}
 #: First field of the wrapper's call keys in the op's plan cache (the op's own keys start with a
-#: shape: the two never collide).
+#: shape: the two never collide): full keys -> plans, and the seen-signature entries (arguments
+#: that are not tensors -> ((check of the tensors, plan), ...), ``signature_cache``).
 _WRAPPER_KEY = "window_attention_with_sinks"
+_SEEN_KEY = "window_attention_with_sinks: seen signatures"
 
 
 def window_attention_with_sinks(
@@ -162,7 +168,8 @@ def window_attention_with_sinks(
     sequence sees keys j of the same sequence with ``|i - j| <= window``. ``sinks`` [Hq] are this
     rank's heads. ``op`` defaults to vllm-sinks' Triton prefill op. Returns [T, Hq, Dv].
 
-    With our op, a call signature seen before costs one key and one launch: the checks run on its
+    With our op, a call signature seen before costs a key of the arguments that are not tensors,
+    one C check of the tensors' metadata (``signature_cache``) and one launch: the checks run on its
     first call (here and in the op's ``plan``), the cu_seqlens split once per tensor
     (``_split_cu_seqlens``), and the plan is cached by this function's own key (what the op's key
     would hold: o and the offsets derive from q and cu_seqlens).
@@ -175,8 +182,42 @@ def window_attention_with_sinks(
     mod = _OPS[0] if _OPS else _our_op_module()
     if op is not mod.context_attention_fwd:
         return _through(op, q, k, v, cu_seqlens, max_seqlen, window, sinks, key0, softmax_scale)
-    starts, lengths, cu_meta = _split_cu_seqlens(cu_seqlens, q.device)
+    # A signature seen before: the arguments that are not tensors, then one C check of the tensors'
+    # metadata (signature_cache); placeholders stand in for an absent sink or an int bound (the
+    # int is in the key then).
+    if isinstance(max_seqlen, torch.Tensor):
+        seen_key, bound_tensor = (_SEEN_KEY, type(window), window, key0, softmax_scale,
+                                  sinks is None), max_seqlen
+    else:
+        seen_key, bound_tensor = (_SEEN_KEY, type(window), window, key0, softmax_scale,
+                                  sinks is None, type(max_seqlen), max_seqlen), _OPS[2].INT_BOUND
+    sink_tensor = _OPS[2].NO_SINKS if sinks is None else sinks
+    chosen = None
+    try:
+        seen = mod._PLANS.get(seen_key)
+    except TypeError:  # unhashable arguments: the checks say what is wrong
+        seen = None
+    for check, plan in seen or ():
+        if check(q, k, v, cu_seqlens, sink_tensor, bound_tensor):
+            chosen = plan
+            break
+    starts, lengths, cu_meta = _split_cu_seqlens(cu_seqlens, q)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if chosen is None:
+        chosen = _plan_window_call(mod, q, k, v, out, cu_seqlens, starts, lengths, cu_meta,
+                                   max_seqlen, window, sinks, key0, softmax_scale)
+        if chosen.measured:  # validated: the next call with this signature skips all of the above
+            _OPS[2].remember(mod._PLANS, seen_key, (q, k, v, cu_seqlens, sink_tensor, bound_tensor),
+                             chosen)
+    chosen(q, k, v, out, starts, lengths, sinks, max_seqlen)
+    return out
+
+
+def _plan_window_call(mod, q, k, v, out, cu_seqlens, starts, lengths, cu_meta, max_seqlen, window,
+                      sinks, key0, softmax_scale):
+    """The plan of a call whose signature the seen-signature check did not know: from the plan
+    cache by the full key (what the op's key would hold: o and the offsets derive from q and
+    cu_seqlens), else checked and planned."""
     try:
         key = (_WRAPPER_KEY, q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
                k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), cu_meta,
@@ -190,8 +231,7 @@ def window_attention_with_sinks(
         max_seqlen = _bound_on_host(max_seqlen, q.device)
         chosen = mod.remember(key, mod.plan(q, k, v, out, starts, lengths, max_seqlen, False,
                                             softmax_scale, window, window, sinks, key0))
-    chosen(q, k, v, out, starts, lengths, sinks, max_seqlen)
-    return out
+    return chosen
 
 
 def _bound_on_host(max_seqlen, device: torch.device):
@@ -264,9 +304,14 @@ def sinks_for_partition(sinks: torch.Tensor, heads_per_partition: int, partition
 
 def attention_sinks_for_rank(attn: Any) -> torch.Tensor | None:
     """The sinks for the heads ``attn`` computes on this rank (None for blocks without sinks)."""
-    sinks = getattr(attn, "sinks", None)
+    # nn.Module's attribute lookup for a parameter costs ~0.4 µs (its __getattr__ runs after the
+    # instance dict misses): its parameters' dict first
+    params = getattr(attn, "_parameters", None)
+    sinks = params.get("sinks") if type(params) is dict else None
     if sinks is None:
-        return None
+        sinks = getattr(attn, "sinks", None)
+        if sinks is None:
+            return None
     heads = attn.num_heads_per_partition
     if sinks.dim() == 1 and sinks.shape[0] == heads:  # this rank's heads already (per call: cheap)
         return sinks

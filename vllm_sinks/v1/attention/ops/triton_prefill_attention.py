@@ -56,8 +56,11 @@ Each kernel's ``plan`` says whether it takes a call; the first that does, in thi
 3. ``prefill_attention_portable.PortableLaunch`` — the portable Triton kernel: every call.
 
 A call signature (shapes, strides, dtypes, devices, arguments) is validated and planned once; later
-calls with it go straight to the chosen launch. Calls that upstream's op measured faster on are
-recognised by a shorter key (``route_key``) and handed over before any of ours runs.
+calls with it go straight to the chosen launch, recognised by their arguments that are not tensors
+and one C check of their tensors' metadata (``signature_cache``; the plan cache's key, ``call_key``,
+is built on a miss only). Calls that upstream's op measured faster on (int bound) are recognised
+the same way (``route_key``) and handed to it before any of ours runs. A call whose whole
+signature was not validated before never takes either path.
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-from vllm_sinks.v1.attention.ops import measured_choice
+import torch
+
+from vllm_sinks.v1.attention.ops import measured_choice, signature_cache
 from vllm_sinks.v1.attention.ops.prefill_attention_portable import PortableLaunch
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     Problem,
@@ -89,6 +94,7 @@ def use_upstream_op(fn: Callable | None) -> None:
     never."""
     _UPSTREAM[:] = [fn] if fn is not None else []
     _PLANS.clear()
+    _SEEN.clear()
     _ROUTES.clear()
 
 
@@ -190,19 +196,25 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
 # and planning cost ~20 µs of Python, more than the kernel on small inputs.
 _PLANS: dict = {}
 _PLANS_MAX = 512
-# Calls upstream's op measured faster on, by route key (``route_key``: fewer fields than a call
-# signature, so that a call going to upstream costs ~1 µs of ours on top of upstream's own call).
+# The same plans by the arguments that are not tensors -> ((the C check of a validated signature's
+# tensors, its plan), ...) (``signature_cache``): a seen signature costs ~1 µs of Python where its
+# call key costs ~3 (the key is built on a miss only).
+_SEEN: dict = {}
+# Calls that go to upstream's op, by route key (``route_key``: the arguments that are not tensors)
+# -> ((the C check of a validated signature's tensors, upstream's op), ...) (``signature_cache``): a
+# call that passes a check was validated and planned before, and is handed to upstream with
+# nothing of ours run again; any other goes through the checks and the plans.
 _ROUTES: dict = {}
 
 
-def route_key(q, k, b_seq_len, max_input_len, is_causal, sliding_window_q, sliding_window_k):
-    """What decides which op is faster on a call without sinks: shapes, dtype, the length bound
-    when an int, causality and windows; not strides, devices, the output's dtype or the scale
-    (upstream's op takes any: a routed call is upstream's own). ``context_attention_fwd`` builds
-    the same tuple inline (a function call is a fifth of the budget of a routed call)."""
-    return (q.shape, k.shape, q.dtype, b_seq_len.shape,
-            max_input_len if type(max_input_len) is int else None, is_causal, sliding_window_q,
-            sliding_window_k)
+def route_key(max_input_len, is_causal, softmax_scale, sliding_window_q, sliding_window_k,
+              sinks_bias_key0):
+    """What of a routable call (no sinks, an int bound) its tensors' check does not hold: the
+    arguments that are not tensors. ``context_attention_fwd`` builds the same tuple inline (a
+    function call is a tenth of the budget of a routed call); the bound's value is in it because
+    which op is faster depends on it."""
+    return (max_input_len, is_causal, softmax_scale, sliding_window_q, sliding_window_k,
+            sinks_bias_key0)
 
 
 def remember(key, chosen: Plan) -> Plan:
@@ -221,16 +233,34 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
 
     See the module docstring for the semantics. Raises ``ValueError`` on bad input.
     """
-    if _ROUTES and sinks is None:  # a call upstream's op measured faster on: straight there
+    if _ROUTES and sinks is None and type(max_input_len) is int:  # maybe a routed signature
         try:  # route_key, inline
-            upstream = _ROUTES.get((q.shape, k.shape, q.dtype, b_seq_len.shape,
-                                    max_input_len if type(max_input_len) is int else None,
-                                    is_causal, sliding_window_q, sliding_window_k))
-        except (AttributeError, TypeError):  # not tensors, unhashable arguments: validate says
-            upstream = None
-        if upstream is not None:
-            upstream(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
-                     sliding_window_q, sliding_window_k)
+            route = _ROUTES.get((max_input_len, is_causal, softmax_scale, sliding_window_q,
+                                 sliding_window_k, sinks_bias_key0))
+        except TypeError:  # unhashable arguments: validate says what is wrong
+            route = None
+        for check, upstream in route or ():
+            if check(q, k, v, o, b_start_loc, b_seq_len):
+                upstream(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
+                         softmax_scale, sliding_window_q, sliding_window_k)
+                return
+    # A signature of ours seen before: the arguments that are not tensors (the bound's kind, not its
+    # value, as in call_key), then one C check of the tensors' metadata (signature_cache).
+    sink_tensor = signature_cache.NO_SINKS if sinks is None else sinks
+    try:
+        if isinstance(max_input_len, torch.Tensor):
+            seen_key, bound_tensor = (is_causal, softmax_scale, sliding_window_q, sliding_window_k,
+                                      sinks is None, sinks_bias_key0), max_input_len
+        else:
+            seen_key, bound_tensor = (is_causal, softmax_scale, sliding_window_q, sliding_window_k,
+                                      sinks is None, sinks_bias_key0, type(max_input_len),
+                                      max_input_len >= 0), signature_cache.INT_BOUND
+        seen = _SEEN.get(seen_key)
+    except TypeError:  # unhashable or incomparable arguments: validate says what is wrong
+        seen_key = seen = None
+    for check, chosen in seen or ():
+        if check(q, k, v, o, b_start_loc, b_seq_len, sink_tensor, bound_tensor):
+            chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
             return
     key = call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
                    sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
@@ -239,13 +269,13 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
         chosen = remember(key, plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
                                     softmax_scale, sliding_window_q, sliding_window_k, sinks,
                                     sinks_bias_key0))
-        if chosen.speedup is not None:  # measured: the route key remembers upstream's wins only
-            route = route_key(q, k, b_seq_len, max_input_len, is_causal, sliding_window_q,
-                              sliding_window_k)
-            if chosen.upstream is None:
-                _ROUTES.pop(route, None)
-            else:
-                if len(_ROUTES) >= _PLANS_MAX:
-                    _ROUTES.clear()
-                _ROUTES[route] = chosen.upstream.fn
+    if chosen.measured:  # validated: the next call with this signature skips all of the above
+        if chosen.upstream is not None and type(max_input_len) is int:  # straight to upstream
+            signature_cache.remember(_ROUTES, route_key(max_input_len, is_causal, softmax_scale,
+                                                        sliding_window_q, sliding_window_k,
+                                                        sinks_bias_key0),
+                                     (q, k, v, o, b_start_loc, b_seq_len), chosen.upstream.fn)
+        elif seen_key is not None:
+            signature_cache.remember(_SEEN, seen_key, (q, k, v, o, b_start_loc, b_seq_len,
+                                                       sink_tensor, bound_tensor), chosen)
     chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
