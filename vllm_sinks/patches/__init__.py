@@ -227,8 +227,8 @@ PATCHES: tuple[Patch, ...] = (
         name="transformers-bf16-numerics",
         targets=(
             "vllm.model_executor.models.transformers.base.Base.recursive_replace",
-            "per GPT-OSS-like model instance: the rotary embedding's forward, each decoder layer's "
-            "forward, the final norm's forward; the modeling module's `apply_rotary_pos_emb`",
+            "transformers GPT-OSS modeling, per model instance at load: the rotary embedding's, each "
+            "decoder layer's and the final norm's forward; the modeling module's `apply_rotary_pos_emb`",
         ),
         fork="vllm_sinks/model_executor/models/transformers/bf16_numerics.py",
         upstream_pr=(
