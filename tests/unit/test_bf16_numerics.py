@@ -8,8 +8,6 @@ model and a model that is not GPT-OSS-like are left as they are.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,6 +17,7 @@ from torch import nn  # noqa: E402
 
 from vllm_sinks.model_executor.models.transformers import bf16_numerics as ours  # noqa: E402
 from vllm_sinks.patches import install  # noqa: E402
+from tests.support import tiny_gpt_oss as support  # noqa: E402
 from vllm_sinks.verify import tiny_models  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -48,34 +47,18 @@ def is_fused(module) -> bool:
 
 
 def tiny_gpt_oss(dtype=BF16, layers: int = 3, seed: int = 0) -> nn.Module:
-    spec = tiny_models._spec("gpt_oss_hd64")
-    config = transformers.GptOssConfig(**tiny_models._COMMON, **dict(spec.config, num_hidden_layers=layers))
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():  # weights as tiny_models draws them: visible logits, visible rounding
-        for name, p in model.named_parameters():
-            p.normal_(0, 2.0 if name.endswith("sinks") else 0.2)
-    return model.to(dtype).model
+    return support.tiny_gpt_oss(dtype, layers, seed)
 
 
 def with_fused_norms(model: nn.Module) -> nn.Module:
-    """Replace HF's norms as upstream's backend does (theirs by vLLM's RMSNorm; here the stand-in)."""
-    for parent in [model, *model.layers]:
-        for name in ("norm", "input_layernorm", "post_attention_layernorm"):
-            norm = getattr(parent, name, None)
-            if norm is not None:
-                setattr(parent, name, FusedRMSNorm(norm.weight, norm.variance_epsilon))
+    support.replace_norms(model, lambda hf: FusedRMSNorm(hf.weight, hf.variance_epsilon))
     return model
 
 
 @pytest.fixture
 def restore_rotary():
-    """The rotary wrapper is installed in the modeling module: undo it after each test."""
-    modeling = importlib.import_module(transformers.GptOssModel.__module__)
-    before = modeling.apply_rotary_pos_emb
-    yield modeling
-    modeling.apply_rotary_pos_emb = before
+    with support.rotary_restored() as modeling:
+        yield modeling
 
 
 def _inputs(model, n: int = 40):

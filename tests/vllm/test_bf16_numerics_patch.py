@@ -7,8 +7,6 @@ test_transformers_sinks_e2e.py.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -17,12 +15,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
-from torch import nn  # noqa: E402
-
 from vllm_sinks.model_executor.models.transformers import bf16_numerics as ours  # noqa: E402
 from vllm_sinks.patches import install, transformers_bf16_numerics  # noqa: E402
 from vllm_sinks.patches.registry import detect_vllm  # noqa: E402
-from vllm_sinks.verify import tiny_models  # noqa: E402
+from tests.support import tiny_gpt_oss as support  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -38,10 +34,8 @@ def vllm_config():
 
 @pytest.fixture
 def restore_rotary():
-    modeling = importlib.import_module(transformers.GptOssModel.__module__)
-    before = modeling.apply_rotary_pos_emb
-    yield modeling
-    modeling.apply_rotary_pos_emb = before
+    with support.rotary_restored() as modeling:
+        yield modeling
 
 
 def _rms(t: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,23 +71,14 @@ def test_vllm_rms_norm_is_the_fused_add_norm_we_rely_on(vllm_config):
 def _tiny_with_vllm_norms(layers: int = 3):
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    spec = tiny_models._spec("gpt_oss_hd64")
-    config = transformers.GptOssConfig(**tiny_models._COMMON, **dict(spec.config, num_hidden_layers=layers))
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0, 2.0 if name.endswith("sinks") else 0.2)
-    model = model.to(BF16).model
-    for parent, names in [(model, ("norm",))] + [(layer, ("input_layernorm", "post_attention_layernorm"))
-                                                  for layer in model.layers]:
-        for name in names:
-            hf = getattr(parent, name)
-            norm = RMSNorm(config.hidden_size, eps=hf.variance_epsilon, dtype=BF16)
-            with torch.no_grad():
-                norm.weight.copy_(hf.weight)
-            setattr(parent, name, norm)
+    def vllm_norm(hf):
+        norm = RMSNorm(hf.weight.numel(), eps=hf.variance_epsilon, dtype=BF16)
+        with torch.no_grad():
+            norm.weight.copy_(hf.weight)
+        return norm
+
+    model = support.tiny_gpt_oss(BF16, layers)
+    support.replace_norms(model, vllm_norm)
     return model
 
 
