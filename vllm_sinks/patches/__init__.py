@@ -228,13 +228,15 @@ PATCHES: tuple[Patch, ...] = (
         targets=(
             "vllm.model_executor.models.transformers.base.Base.recursive_replace",
             "transformers GPT-OSS modeling, per model instance at load: the rotary embedding's, each "
-            "decoder layer's and the final norm's forward; the modeling module's `apply_rotary_pos_emb`",
+            "decoder layer's and the final norm's forward; the modeling module's apply_rotary_pos_emb",
         ),
         fork="vllm_sinks/model_executor/models/transformers/bf16_numerics.py",
         upstream_pr=(
-            "None found. Native vLLM's GPT-OSS (`gpt_oss.py`) computes both in fp32 (rotary on the "
-            "model-dtype cos/sin cache, fused add + RMSNorm); the backend runs HF's modeling code as "
-            "written."
+            "For the rotary and the eager path: none found (native vLLM's `gpt_oss.py` computes both in "
+            "fp32; the backend runs HF's modeling code as written). Compiled mode only: "
+            "vllm-project/vllm#48757 (merged; `add_rms_fusion.py`, present in 0.27.1 and 0.32.0) "
+            "rewrites the backend's residual add + RMSNorm into `fused_add_rms_norm` in the compiled "
+            "graph; whether it runs on a given platform's default pass config: unverified."
         ),
         why=(
             "In bf16 the backend runs HF GPT-OSS's rotary (q/k times bf16 cos/sin, three roundings) "
