@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         ids, ref = differential.hf_prompt_logprobs(model, "float32")
         refs[seed] = ref
         job = dict(model=str(model), dtype="bfloat16", token_ids=ids, max_model_len=max(128, len(ids) + 16))
-        jobs["on"] += [(seed, "patched", dict(job, impl="transformers")), (seed, "native", dict(job, impl="vllm"))]
+        jobs["on"] += [(seed, "patched", dict(job, impl="transformers")),
+                       (seed, "native", dict(job, impl="vllm"))]
         jobs["off"].append((seed, "off", dict(job, impl="transformers")))
     print(f"{len(seeds)} models built and referenced in {time.monotonic() - start:.0f} s", file=sys.stderr)
 

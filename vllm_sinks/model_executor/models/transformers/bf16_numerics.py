@@ -26,8 +26,9 @@ Per model instance at load (after upstream's ``recursive_replace``, so the norms
   returns the plain sum).
 
 Only for "GPT-OSS-like" models, decided by structure (:func:`gpt_oss_like`), in bf16 or fp16; an fp32
-model is left as it is. The router needs nothing (see "no router part" below). The experts stay HF's own, in the model dtype (the backend never fuses them;
-upcasting them measured within noise at a full weight upcast per call).
+model is left as it is. The router needs nothing (see "no router part" below). The experts stay
+HF's own, in the model dtype (the backend never fuses them; upcasting them measured within noise at
+a full weight upcast per call).
 """
 
 from __future__ import annotations
