@@ -24,12 +24,19 @@ def test_a_backend_limitation_is_not_blamed_on_sinks():
     assert verdict(row, bf16_sink_kernel=True).startswith("n/a: backend builds layer 1")
 
 
-def test_bf16_is_judged_against_native_with_the_rotary_control():
-    row = Row("gpt_oss", "bfloat16", on=0.065, control=0.025, native=0.0254)
+def test_bf16_judges_the_backend_as_installed_against_native():
+    """The patched backend (transformers-bf16-numerics on) is judged; the run with it off is shown only."""
+    row = Row("gpt_oss", "bfloat16", on=0.072, numerics_off=0.11, native=0.071)
     assert verdict(row, bf16_sink_kernel=True) == "ok"
-    row.control = 0.04
-    assert verdict(row, bf16_sink_kernel=True).startswith("FAIL: 0.0400 > 1.2x native")
+    row.on = 0.09
+    assert verdict(row, bf16_sink_kernel=True).startswith("FAIL: 0.0900 > 1.2x native")
     assert verdict(Row("granite_swa", "bfloat16", on=0.06), bf16_sink_kernel=True).startswith("FAIL")
+    # a family the numerics patch does not cover: over 1.2x native is the backend's bf16 rounding (n/a),
+    # but the no-native bound still holds
+    granite = Row("granite_swa", "bfloat16", on=0.0325, native=0.0248)
+    assert verdict(granite, bf16_sink_kernel=True).startswith("n/a: 0.0325 > 1.2x native: the backend rounds")
+    granite.on = 0.06
+    assert verdict(granite, bf16_sink_kernel=True) == "FAIL: 0.0600 > 0.05"
     assert verdict(Row("granite_swa", "bfloat16", on=0.04), bf16_sink_kernel=True) == "ok"
 
 
@@ -71,12 +78,12 @@ def test_a_family_the_backend_cannot_build_is_not_applicable_unless_it_runs():
 
 def test_table_shows_every_column():
     rows = [Row("gpt_oss", "float32", on=2.4e-4, off=0.33, sinks="2/2", verdict="ok"),
-            Row("gpt_oss", "bfloat16", on=0.0649, control=0.0248, native=0.0254, verdict="ok"),
+            Row("gpt_oss", "bfloat16", on=0.0720, numerics_off=0.0834, native=0.0711, verdict="ok"),
             Row("hy_v4", "float32", errors={"on": "x"}, verdict="ok: refused by the MLA sink guard")]
     table = format_table(rows).splitlines()
     assert table[0].startswith("| family | dtype | patch on | patch off | native vLLM |")
     assert table[2] == "| gpt_oss | float32 | 2.4e-04 | 0.3300 | — | 2/2 | ok |"
-    assert table[3] == "| gpt_oss | bfloat16 | 0.0649 (0.0248 fp32 rotary) | — | 0.0254 | — | ok |"
+    assert table[3] == "| gpt_oss | bfloat16 | 0.0720 (0.0834 bf16-numerics off) | — | 0.0711 | — | ok |"
     assert table[4] == "| hy_v4 | float32 | error | — | — | — | ok: refused by the MLA sink guard |"
 
 

@@ -109,4 +109,6 @@ def test_importing_the_transformers_backend_applies_its_patch():
     # wraps the same method on every version.
     assert out["result"] == "applied"
     assert ("transformers-sinks" in out["layers"]) == (out["result"] == "applied"), out
+    # transformers-bf16-numerics wraps it outermost: it runs after the others' replacement
+    assert out["layers"][0] == "transformers-bf16-numerics", out["layers"]
     assert f"[vllm-sinks] transformers-sinks {out['result']}" in out["log"]

@@ -224,6 +224,57 @@ PATCHES: tuple[Patch, ...] = (
         modules=TRANSFORMERS_BACKEND,
     ),
     Patch(
+        name="transformers-bf16-numerics",
+        targets=(
+            "vllm.model_executor.models.transformers.base.Base.recursive_replace",
+            "transformers GPT-OSS modeling, per model instance at load: the rotary embedding's, each "
+            "decoder layer's and the final norm's forward; the modeling module's apply_rotary_pos_emb",
+        ),
+        fork="vllm_sinks/model_executor/models/transformers/bf16_numerics.py",
+        upstream_pr=(
+            "For the rotary and the eager path: none found (native vLLM's `gpt_oss.py` computes both in "
+            "fp32; the backend runs HF's modeling code as written). Compiled mode only: "
+            "vllm-project/vllm#48757 (merged; `add_rms_fusion.py`, present in 0.27.1 and 0.32.0) "
+            "rewrites the backend's residual add + RMSNorm into `fused_add_rms_norm` in the compiled "
+            "graph; whether it runs on a given platform's default pass config: unverified."
+        ),
+        why=(
+            "In bf16 the backend runs HF GPT-OSS's rotary (q/k times bf16 cos/sin, three roundings) "
+            "and residual adds (the sum rounded to bf16, then normalised) in bf16; native vLLM "
+            "computes them in fp32 and rounds once. Tiny GPT-OSS with the real attention shapes "
+            "(head dim 64, YaRN x32), 24 seeds, mean |Δ prompt logprob| vs HF fp32: backend 0.083, "
+            "native 0.071, single seeds past `verify`'s 1.2x native (docs/notes/bf16-backend-gap.md)."
+        ),
+        how=(
+            "Wraps `Base.recursive_replace`: after upstream's (the norms are vLLM's `RMSNorm` by then), "
+            "a model whose every decoder layer on this rank has GPT-OSS's structure (pre-norm "
+            "attention + MLP with residual adds, a top-k softmax router, q/k rotated by the modeling "
+            "module's `apply_rotary_pos_emb`) in bf16/fp16 gets, per instance: the rotary module "
+            "hands out its model-dtype cos/sin in fp32 and a wrapper of `apply_rotary_pos_emb` rounds "
+            "q/k once (only where cos/sin and q differ in dtype: a no-op for any other model); each "
+            "decoder layer's forward runs HF's sublayers with the adds done by vLLM's fused "
+            "`norm(x, residual)`, handing `(output, residual)` to the next patched layer or the "
+            "final norm (a layer before a pipeline-parallel gap, or one with output-capturing hooks, "
+            "returns the plain sum). fp32 models and other architectures are left alone; one log "
+            "line per GPT-OSS-like model says what was applied. The router is left as HF wrote it "
+            "(torch's bf16 softmax already computes in fp32 and rounds once); the experts stay HF's, "
+            "in the model dtype."
+        ),
+        remove_when=(
+            "Upstream's backend computes the rotary in fp32 and fuses the residual adds into its "
+            "norms (or HF's modeling code does), or GPT-OSS leaves the backend."
+        ),
+        hooks="vllm_sinks.patches.transformers_bf16_numerics",
+        summary=(
+            "Transformers backend, GPT-OSS in bf16/fp16: rotary in fp32 and residual adds through "
+            "vLLM's fused add + RMSNorm, as native vLLM computes them"
+        ),
+        # Wraps `Base.recursive_replace` around the two patches above: it needs their (and
+        # upstream's) replacement done first.
+        after=("transformers-kv-heads",),
+        modules=TRANSFORMERS_BACKEND,
+    ),
+    Patch(
         name="logits-scaling",
         targets=("vllm.model_executor.models.transformers.causal.CausalMixin.__init__",),
         fork="vllm_sinks/model_executor/models/transformers/causal.py",

@@ -5,9 +5,8 @@ layers are in the module tree).
     python -m vllm_sinks.verify.inspect_transformers_model JOBS.json RESULTS.json
 
 JOBS.json: ``{"jobs": [{"model": dir, "impl": "transformers"|"vllm", "dtype": "float32"|"bfloat16",
-"token_ids": [...], "max_model_len": int, "upcast_hf_rotary": bool (optional, see upcast_hf_rotary),
-"tp": int (optional tensor parallel size; > 1 needs :func:`tp_env` in the env), "trust_remote_code":
-bool (optional)}, ...]}``; one ``LLM`` per job, all in this process (vLLM is
+"token_ids": [...], "max_model_len": int, "tp": int (optional tensor parallel size; > 1 needs
+:func:`tp_env` in the env), "trust_remote_code": bool (optional)}, ...]}``; one ``LLM`` per job, all in this process (vLLM is
 imported once; after the first job of an architecture, vLLM's model inspection is cached, so later
 jobs start in seconds). RESULTS.json is rewritten after every job: ``{"results": [{"logprobs":
 [...], "layers": [...], "registered": bool, "seconds": s} | {"error": "...", "seconds": s}]}``.
@@ -18,7 +17,6 @@ The model is reached with ``LLM.apply_model`` (0.27-0.33), which runs in this pr
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import os
@@ -60,47 +58,10 @@ def describe_attention(model) -> dict:
     return dict(layers=layers, registered=bool(layers) and all(x["registered"] for x in layers))
 
 
-def upcast_hf_rotary(model_dir: str):
-    """Diagnostic control: make the HF modeling file's ``apply_rotary_pos_emb`` compute in fp32.
-
-    vLLM's Transformers backend runs HF's rotary embedding in the model dtype (three bf16 roundings
-    of q and k), native vLLM in fp32. On the tiny bf16 GPT-OSS that alone moves the prompt logprobs
-    by ~0.04 (measured), which has nothing to do with sinks. The e2e bf16 comparison against native
-    vLLM runs once as shipped and once with this control, so the sink path is judged on its own.
-    """
-    import importlib
-    import pathlib
-
-    from vllm_sinks.verify import tiny_models
-
-    family = json.loads((pathlib.Path(model_dir) / "vllm_sinks_build.json").read_text())["family"]
-    modeling = importlib.import_module(tiny_models.model_class(family).__module__)
-    original = modeling.apply_rotary_pos_emb
-
-    def fp32_rotary(*args, **kwargs):
-        dtype = next(a.dtype for a in args if hasattr(a, "dtype"))
-        out = original(*(a.float() if hasattr(a, "float") else a for a in args), **kwargs)
-        return tuple(t.to(dtype) for t in out) if isinstance(out, tuple) else out.to(dtype)
-
-    modeling.apply_rotary_pos_emb = fp32_rotary
-    return lambda: setattr(modeling, "apply_rotary_pos_emb", original)  # undo, for the next job
-
-
-def _upcast_in_worker(model_dir: str, model) -> None:
-    """``upcast_hf_rotary`` inside a TP worker (run there through ``LLM.apply_model``). The modeling
-    module's function is looked up at call time, so patching after the model is built is enough;
-    the worker ends with the job, so nothing is undone."""
-    upcast_hf_rotary(model_dir)
-
-
 def run_job(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    undo = upcast_hf_rotary(job["model"]) if job.get("upcast_hf_rotary") else (lambda: None)
-    try:
-        return _run_llm(job, LLM, SamplingParams)
-    finally:
-        undo()
+    return _run_llm(job, LLM, SamplingParams)
 
 
 def tp_kwargs(tp: int) -> dict:
@@ -144,8 +105,6 @@ def _run_llm(job: dict, LLM, SamplingParams) -> dict:  # noqa: N803 - the vLLM c
               enforce_eager=True, max_model_len=int(job["max_model_len"]), seed=0,
               trust_remote_code=bool(job.get("trust_remote_code")), **tp_kwargs(tp))
     try:
-        if job.get("upcast_hf_rotary") and tp > 1:  # the workers are other processes: patch them too
-            llm.apply_model(functools.partial(_upcast_in_worker, job["model"]))
         inside = _merge_ranks(llm.apply_model(describe_attention))
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         [output] = llm.generate([{"prompt_token_ids": list(job["token_ids"])}], params, use_tqdm=False)
