@@ -199,3 +199,28 @@ def test_patched_bf16_moves_toward_fp32(restore_rotary):
         ours.apply_to_model(plain, BF16, "GptOss", is_fused_norm=is_fused)
         after = (plain(input_ids=ids, position_ids=pos).last_hidden_state.float() - exact).abs().mean()
     assert after < before
+
+
+def test_compiled_model_is_left_to_inductor(restore_rotary):
+    """Auto mode under Inductor: nothing patched (Inductor already computes the rotary and the add
+    + norm in fp32 and rounds once), and the report line says who computes them and how to force it."""
+    modeling = restore_rotary
+    before = modeling.apply_rotary_pos_emb
+    model = with_fused_norms(tiny_gpt_oss())
+    applied = ours.apply_to_model(model, BF16, "GptOss", compiled="VLLM_COMPILE", is_fused_norm=is_fused)
+    assert applied.gpt_oss_like and "left to the compiler (VLLM_COMPILE" in applied.line()
+    assert "=on" in applied.line()
+    assert not list(ours.patched_modules(model)) and modeling.apply_rotary_pos_emb is before
+
+
+@pytest.mark.parametrize("mode, backend, expected", [
+    (None, "inductor", ""),  # not resolved: eager is what the patch is for
+    (0, "inductor", ""),  # CompilationMode.NONE (enforce_eager)
+    (3, "eager", ""),  # compiled by Dynamo but the ops run as they are
+    (3, "", "3"),  # the default backend is Inductor
+    (3, "inductor", "3"),
+])
+def test_inductor_compiled_reads_mode_and_backend(mode, backend, expected):
+    import types as _types
+
+    assert ours.inductor_compiled(_types.SimpleNamespace(mode=mode, backend=backend)) == expected

@@ -121,3 +121,16 @@ def test_fp32_model_is_untouched(vllm_config, restore_rotary):
     assert applied.gpt_oss_like and not list(ours.patched_modules(model))
     assert restore_rotary.apply_rotary_pos_emb is not None
     assert install.patched_by(restore_rotary.apply_rotary_pos_emb) is None
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_compiled_or_eager_from_vllms_own_config(enforce_eager):
+    """vLLM's own CompilationConfig, as it resolves it: eager (``enforce_eager``, mode NONE) gets
+    the patch; the default compiled mode (Inductor) is left to the compiler."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    mode = CompilationMode.NONE if enforce_eager else CompilationMode.VLLM_COMPILE
+    reason = ours.inductor_compiled(CompilationConfig(mode=mode))
+    assert (reason == "") is enforce_eager
+    if not enforce_eager:
+        assert reason == "VLLM_COMPILE"
