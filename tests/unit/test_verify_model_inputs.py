@@ -219,10 +219,13 @@ def test_report_says_no_sinks_and_exit_follows_the_patch_on_run(tmp_path):
 def test_the_patch_report_lines_are_picked_from_the_log():
     log = ("INFO [vllm-sinks] vllm-sinks 0.1.0 in pid 42 (EngineCore), vLLM 0.29.0: transformers-sinks armed (x)\n"
            "INFO [vllm-sinks] transformers-sinks applied (SinkFuser) (on import of m, 1 ms) [pid 42, EngineCore]\n"
-           "INFO [base.py:122] [vllm-sinks] vllm-sinks: transformers-sinks: /m: sinks of 2 A layers served by upstream\n")
+           "INFO [base.py:122] [vllm-sinks] vllm-sinks: transformers-sinks: /m: sinks of 2 A layers served by upstream\n"
+           "INFO [bf16_numerics.py:9] [vllm-sinks] vllm-sinks: transformers-bf16-numerics: G (bfloat16): rotary in fp32\n"
+           "INFO [vllm-sinks] logits-scaling applied (x) [pid 42, EngineCore]\n")
     assert [m[1] for m in vm._PATCH_LINE.finditer(log)] == [
         "transformers-sinks applied (SinkFuser) (on import of m, 1 ms)",
-        "transformers-sinks: /m: sinks of 2 A layers served by upstream"]
+        "transformers-sinks: /m: sinks of 2 A layers served by upstream",
+        "transformers-bf16-numerics: G (bfloat16): rotary in fp32"]
 
 
 def test_per_model_patch_lines_go_to_their_own_model(tmp_path):
@@ -236,3 +239,24 @@ def test_per_model_patch_lines_go_to_their_own_model(tmp_path):
     vm._attribute_patch_lines("on", [(a, None, {}), (b, None, {})], log)
     assert a.patch_lines["on"] == ["transformers-sinks applied (per model)", "transformers-sinks: A: served by upstream"]
     assert b.patch_lines["on"] == ["transformers-sinks applied (per model)", "transformers-sinks: B: served by vllm-sinks"]
+
+
+def test_bf16_yardstick_is_the_larger_of_native_and_hf_eagers_own_error():
+    """A 16-bit run is judged within 1.2x of native's error or of HF eager's own error in that dtype
+    (against the fp32 reference), whichever is larger: a model whose bf16 rounding alone is large
+    passes; a dropped sink, far beyond both, still fails."""
+    kw = dict(wanted={0}, reference="float32", bf16_sink_kernel=False)
+    # the tiny GPT-OSS of session 15: backend 0.1195, native 0.0932, HF's own bf16 0.125
+    assert vm.verdict(_run(dtype="bfloat16", mean_abs_delta=0.1195, sink_layers=[0]), native_mean=0.0932,
+                      **kw) .startswith("FAIL: mean |Δ| 0.1195 > 0.1118 (1.2x native)")
+    assert vm.verdict(_run(dtype="bfloat16", mean_abs_delta=0.1195, sink_layers=[0]), native_mean=0.0932,
+                      hf_own=0.125, **kw) == "ok"
+    assert vm.verdict(_run(dtype="bfloat16", mean_abs_delta=0.16, sink_layers=[0]), native_mean=0.0932,
+                      hf_own=0.125, **kw) == "FAIL: mean |Δ| 0.1600 > 0.1500 (1.2x HF eager's own bfloat16 error)"
+    # native itself is judged against HF eager's own error where it is known (else the 0.05 bound)
+    native = _run("native", impl="vllm", dtype="bfloat16", mean_abs_delta=0.0932, sink_layers=[0])
+    assert vm.verdict(native, native_mean=0.0932, hf_own=0.125, **kw) == "ok"
+    assert vm.verdict(native, native_mean=0.0932, **kw).startswith("FAIL: mean |Δ| 0.0932 > 0.0500")
+    # fp32 runs against the fp32 reference keep the fp32 bound whatever the yardsticks
+    assert vm.verdict(_run(mean_abs_delta=2e-3, sink_layers=[0]), native_mean=None, hf_own=0.125,
+                      **kw).startswith("FAIL: mean |Δ| 0.0020 > 0.0010 (fp32)")
