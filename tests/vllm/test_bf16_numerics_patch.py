@@ -45,9 +45,13 @@ def _rms(t: torch.Tensor, eps: float) -> torch.Tensor:
 def test_patch_probes_and_wraps_recursive_replace():
     import vllm.model_executor.models.transformers.base as base
 
+    before = base.Base.__dict__["recursive_replace"]
     assert transformers_bf16_numerics.probe(detect_vllm()).applies
-    transformers_bf16_numerics.apply(detect_vllm())
-    assert transformers_bf16_numerics.PATCH in install.layers(base.Base.recursive_replace)
+    try:
+        transformers_bf16_numerics.apply(detect_vllm())
+        assert transformers_bf16_numerics.PATCH in install.layers(base.Base.recursive_replace)
+    finally:  # later tests in this process see upstream's method as they found it
+        base.Base.recursive_replace = before
 
 
 def test_vllm_rms_norm_is_the_fused_add_norm_we_rely_on(vllm_config):
