@@ -43,5 +43,5 @@ def apply(info: VllmInfo) -> str:
 
     base = _upstream()
     install.install(base.Base, "recursive_replace", ours.numerics_recursive_replace, PATCH)
-    return ("per model at load, GPT-OSS-like in bf16/fp16: rotary in fp32, "
-            "residual adds through vLLM's fused add + RMSNorm")
+    return ("per model at load, GPT-OSS-like in bf16/fp16 run eager: rotary in fp32, "
+            "residual adds through vLLM's fused add + RMSNorm (under Inductor: left to the compiler)")
