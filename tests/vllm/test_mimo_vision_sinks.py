@@ -316,7 +316,10 @@ def test_tiny_tower_matches_plain_pytorch_with_and_without_sinks(mimo, patch_mim
         for block in tower.blocks:
             block.attn.sinks = None
         out_plain, hidden_plain = run()
-    assert ms.relative_error(hidden_sinks, ms.plain_tower_hidden(weights, pixels, grid)) < 1e-5
+    # fp32 noise between vLLM's CPU linear kernels and plain torch through the tower: ~1e-5 (once
+    # 1.96e-5 in a CI run on a loaded 2-core machine); the sinks move the output by > 1e-3 (below), so
+    # 5e-5 still tells a right sink path from a wrong one by 20x.
+    assert ms.relative_error(hidden_sinks, ms.plain_tower_hidden(weights, pixels, grid)) < 5e-5
     plain_no_sinks = ms.plain_tower_hidden(weights, pixels, grid, use_sinks=False)
-    assert ms.relative_error(hidden_plain, plain_no_sinks) < 1e-5
+    assert ms.relative_error(hidden_plain, plain_no_sinks) < 5e-5
     assert ms.relative_error(out_plain, out_sinks) > 1e-3
