@@ -54,6 +54,7 @@ def test_patch_probes_and_wraps_recursive_replace():
         base.Base.recursive_replace = before
 
 
+@pytest.mark.vllm_platform  # VllmConfig() infers the device: a vLLM platform
 def test_vllm_rms_norm_is_the_fused_add_norm_we_rely_on(vllm_config):
     """``norm(x, residual)``: the residual is the sum rounded once; the output normalises the fp32
     sum (closer to it than to the norm of the rounded sum)."""
@@ -86,6 +87,7 @@ def _tiny_with_vllm_norms(layers: int = 3):
     return model
 
 
+@pytest.mark.vllm_platform  # VllmConfig() infers the device: a vLLM platform
 def test_gpt_oss_with_vllm_norms_runs_fused(vllm_config, restore_rotary):
     """Every layer patched, pairs carried into the final norm; the output equals the same sublayers
     wired by hand with vLLM's fused norms (and differs from HF's bf16 adds)."""
@@ -119,6 +121,7 @@ def test_gpt_oss_with_vllm_norms_runs_fused(vllm_config, restore_rotary):
     assert not torch.equal(out, plain)
 
 
+@pytest.mark.vllm_platform  # VllmConfig() infers the device: a vLLM platform
 def test_fp32_model_is_untouched(vllm_config, restore_rotary):
     model = _tiny_with_vllm_norms().float()
     applied = ours.apply_to_model(model, torch.float32, "GptOssForCausalLM")
