@@ -57,11 +57,12 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # no
 SYNC_EVERY = 250
 
 
-def per_call_us(fn, calls: int, reps: int = 7, sync=torch.cuda.synchronize) -> float:
+def per_call_us(fn, calls: int, reps: int = 7, sync=torch.cuda.synchronize,
+                block: int | None = None) -> float:
     """Median over ``reps`` of the CPU µs per call of ``calls`` calls; ``sync`` (the GPU work
-    queued, None on a CPU) runs outside the timer, every SYNC_EVERY calls."""
+    queued, None on a CPU) runs outside the timer, every ``block`` (default SYNC_EVERY) calls."""
     fn()
-    block = calls if sync is None else min(calls, SYNC_EVERY)
+    block = calls if sync is None else min(calls, block or SYNC_EVERY)
     times = []
     for _ in range(reps):
         elapsed, done = 0.0, 0
@@ -207,6 +208,71 @@ def mimo_layer_us(calls: int, device: str = "cuda", sync=torch.cuda.synchronize)
     return per_call_us(lambda: forward(attn, q, k, v, cu, max_seqlen), calls, sync=sync)
 
 
+def mimo_layer_parts(calls: int, device: str = "cuda", sync=torch.cuda.synchronize,
+                     tokens: int = 1024) -> dict:
+    """``mimo_layer_us``'s call taken apart (µs per call, each piece timed on its own), to show
+    where a seen MiMo window layer's CPU goes on this machine: the layer, then its pieces in the
+    order it runs them (``launch seen``: ``Plan.launch_seen``, pointers, stream and C launch), the
+    generic launch it replaces (``plan call``), and the floor no Python can go under: a fresh
+    output (allocated and freed, as each layer does) plus the C launch of an empty kernel."""
+    import triton
+    import triton.language as tl
+
+    from vllm_sinks.model_executor.models import mimo_v2_omni as mimo
+
+    qkv = torch.randn(tokens, 48, 64, device=device).bfloat16()
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    attn = vision_attention_stand_in(torch.randn(32, device=device))
+    forward = mimo.make_forward_window_attn("key0")
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    max_seqlen = torch.tensor(tokens)
+    sinks = mimo.attention_sinks_for_rank(attn)
+    for _ in range(2):  # planned, then launched once through the plan (its C launch kept)
+        forward(attn, q, k, v, cu, max_seqlen)
+    mod = mimo._OPS[0]
+    seen_key = (mimo._SEEN_KEY, int, 64, True, attn.scale, False)
+    (check, chosen), *_ = mod._PLANS[seen_key]
+    starts, lengths, _ = mimo._split_cu_seqlens(cu, q)
+    ptrs = (starts.data_ptr(), lengths.data_ptr())
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    parts = {
+        "layer": lambda: forward(attn, q, k, v, cu, max_seqlen),
+        "sinks of rank": lambda: mimo.attention_sinks_for_rank(attn),
+        "seen check": lambda: mod._PLANS.get(seen_key) and check(q, k, v, cu, sinks, max_seqlen),
+        "capture check": (lambda: mimo._capturing()) if cu.is_cuda else (lambda: None),
+        "output": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
+        "launch seen": lambda: chosen.launch_seen(q, k, v, o, sinks, tokens, *ptrs),
+        "plan call": lambda: chosen(q, k, v, o, starts, lengths, sinks, max_seqlen),
+    }
+    rows = {name: per_call_us(fn, calls, sync=sync) for name, fn in parts.items()}
+    if device != "cuda":
+        return rows
+
+    @triton.jit
+    def _empty_kernel(X, n):
+        if tl.program_id(0) < 0:  # never: a kernel that does nothing, as cheap to launch as any
+            tl.store(X, n)
+
+    x = torch.zeros(4, device=device)
+    compiled = _empty_kernel[(1,)](x, 1)
+    stream = torch.cuda.current_stream().cuda_stream
+    direct = kernel_launcher.direct_launch(compiled, (1, 1, 1), stream, (x.data_ptr(), 1))
+    if direct is not None:
+        launch, layout, head = direct
+        c_args = kernel_launcher.direct_arguments(layout, head, (1, 1, 1), stream, (x.data_ptr(), 1))
+        rows["C launch, empty kernel"] = per_call_us(lambda: launch(*c_args), calls, sync=sync)
+    rows["torch op (x.zero_())"] = per_call_us(lambda: x.zero_(), calls, sync=sync)
+    return rows
+
+
+def print_parts(parts: dict, tokens: int) -> None:
+    print(f"\nMiMo window layer ({tokens} tokens) taken apart, µs per call: " +
+          ", ".join(f"{name} {us:.2f}" for name, us in parts.items()))
+    floor = parts.get("output", 0.0) + parts.get("C launch, empty kernel", 0.0)
+    print(f"  floor (output + C launch of an empty kernel) {floor:.2f} µs; the layer "
+          f"{parts['layer']:.2f} µs = floor + {parts['layer'] - floor:.2f} µs of Python")
+
+
 def print_routed(rows: dict, digits: int, what: str = "") -> None:
     print(f"\nA call routed to upstream's op{what} (full attention 1×128, D 80; best of 2 "
           "interleaved): " + ", ".join(f"{name} {us:.{digits}f} µs" for name, us in rows.items()))
@@ -225,6 +291,7 @@ def main(argv=None):
                 f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 1)
     print(f"\nMiMo window layer as the patched _forward_window_attn runs it (wrapper + op, fused-QKV "
           f"views): {mimo_layer_us(args.calls):.2f} µs per call")
+    print_parts(mimo_layer_parts(args.calls), 1024)
     from benchmarks.kernels.peers import upstream_op
 
     upstream = upstream_op(args.peers)

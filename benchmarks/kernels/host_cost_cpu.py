@@ -134,6 +134,8 @@ def main(argv=None):
                    for label, *spec, walk in host_cases(torch.randn(32) * 2)
                    if gw._LAUNCHER is not None or not walk]  # no Gluon here: the portable row
         layer = mimo_layer_us(args.calls) if gw._LAUNCHER is not None else float("nan")
+        if gw._LAUNCHER is not None:
+            host_cost.print_parts(host_cost.mimo_layer_parts(args.calls, "cpu", sync=None), 1024)
     print_table(f"Python per call (C launch a no-op), CPU, torch {torch.__version__}, "
                 f"triton {triton.__version__} (median of 7 × {args.calls} calls)", results, 2)
     print(f"\nMiMo window layer as the patched _forward_window_attn runs it (wrapper + op, fused-QKV "

@@ -7,6 +7,8 @@
 #   bash benchmarks/kernels/run_on_device.sh tune       # GPU tests + tile-shape sweep + table
 #   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only
 #   bash benchmarks/kernels/run_on_device.sh bench      # table only
+#   bash benchmarks/kernels/run_on_device.sh host       # GPU tests + MiMo pass + host cost (issue 19,
+#                                                       # item 1: the tables a host-side change moves)
 #   bash benchmarks/kernels/run_on_device.sh profile    # ncu of the default shape + code dump + sweep
 #
 # TRITON_TARBALL=.gpu/triton-3.7.1-slim.tar.xz runs everything under that Triton instead of the
@@ -71,6 +73,16 @@ if [ "$what" != bench ]; then
   [ "$what" = tests ] && exit $status
 fi
 
+if [ "$what" = host ]; then
+  t0=$(date +%s)
+  python3 benchmarks/kernels/benchmark_mimo_pass.py --out "$out" 2>&1 | tee "$out/mimo-pass.log" | grep -v -i warn | tail -n 8
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  python3 benchmarks/kernels/host_cost.py 2>&1 | tee "$out/host.log" | grep -v -i warn | tail -n 14
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "benchmark: $(( $(date +%s) - t0 )) s"
+  exit $status
+fi
+
 bench_args=()
 [ "$what" = tune ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")
 # e.g. BENCH_ARGS='--flex-cases "mimo 4x16384,gpt-oss 4x16384"' to save FlexAttention compiles
@@ -83,7 +95,7 @@ python3 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out" 2>&1 |
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 benchmarks/kernels/benchmark_mimo_pass.py --out "$out" 2>&1 | tee "$out/mimo-pass.log" | grep -v -i warn | tail -n 8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-python3 benchmarks/kernels/host_cost.py 2>&1 | tee "$out/host.log" | grep -v -i warn | tail -n 12
+python3 benchmarks/kernels/host_cost.py 2>&1 | tee "$out/host.log" | grep -v -i warn | tail -n 14
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "benchmark: $(( $(date +%s) - t0 )) s"
 exit $status

@@ -82,7 +82,7 @@ def test_launch_hooks_send_every_call_through_triton(monkeypatch):
     launcher = _launcher(kernel)
     x = torch.zeros(64)
     launcher("a", (1, 1, 1), (x,) * 7, (64, 1.0), dict(BLOCK=16, MODE=0), {})
-    monkeypatch.setattr(kernel_launcher, "_hooks_set", lambda: True)
+    monkeypatch.setattr(kernel_launcher, "hooks_set", lambda: True)
     launcher("a", (1, 1, 1), (x,) * 7, (64, 1.0), dict(BLOCK=16, MODE=0), {})
     assert len(kernel.compiles) == 2
 
@@ -254,12 +254,12 @@ def test_a_real_launch_hook_sends_calls_through_triton():
         knobs.runtime.launch_enter_hook = hook
         undo = lambda: setattr(knobs.runtime, "launch_enter_hook", chain)  # noqa: E731
     try:
-        assert kernel_launcher._hooks_set()
+        assert kernel_launcher.hooks_set()
         launcher("sig", (1, 1, 1), _tensors(), (64, 1.0), CONSTEXPRS, {})
     finally:
         undo()
     assert len(kernel.compiles) == 2 and launches.calls == []
-    assert not kernel_launcher._hooks_set()
+    assert not kernel_launcher.hooks_set()
     launcher("sig", (1, 1, 1), _tensors(), (64, 1.0), CONSTEXPRS, {})
     assert len(kernel.compiles) == 2 and len(launches.calls) == 1
 
@@ -280,3 +280,28 @@ def test_new_scalars_object_with_the_same_signature():
     launcher("sig", (1, 1, 1), _tensors(), (64, 2.0), CONSTEXPRS, {})
     kernel_args = launches.calls[0][-1] if PACKED else launches.calls[0][-11:]
     assert kernel_args[7:] == (64, 2.0, 16, 2)
+
+
+def test_ready_launch_is_the_launchers_own_c_call():
+    """``DirectLauncher.ready``: what a seen call launches with, nothing in between, is exactly what
+    the launcher's own direct path hands the C launch for the same call."""
+    launcher, kernel, launches = _direct_setup()
+    assert launcher.ready("sig", (4, 2, 1), (64, 0.5)) is None  # never launched: nothing to reuse
+    launcher("sig", (4, 2, 1), _tensors(), (64, 0.5), CONSTEXPRS, dict(num_warps=4))
+    ready = launcher.ready("sig", (4, 2, 1), (64, 0.25))
+    if not PACKED:  # Triton 3.6's per-kernel launcher: only the packed layout is made ready
+        assert ready is None
+        return
+    y = _tensors()
+    launcher("sig", (4, 2, 1), y, (64, 0.25), CONSTEXPRS, dict(num_warps=4))
+    launch, get_stream, get_device, gx, gy, gz, head, rest = ready
+    launch(gx, gy, gz, get_stream(get_device()), *head, (*(t.data_ptr() for t in y), *rest))
+    first, second = launches.calls
+    assert first == second
+    assert launcher.ready("other", (4, 2, 1), (64, 0.25)) is None
+
+
+def test_no_ready_launch_where_the_launcher_goes_through_compiled_run():
+    launcher, kernel, launches = _direct_setup(global_scratch_size=64)
+    launcher("sig", (1, 1, 1), _tensors(), (64, 1.0), CONSTEXPRS, {})
+    assert launcher.ready("sig", (1, 1, 1), (64, 1.0)) is None

@@ -112,7 +112,8 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> None:
 # all 24 window layers of a pass, and the split costs three tensor ops, one of them a kernel launch
 # (~10 µs of CPU per layer). Keyed by the object and its version counter (an in-place write bumps
 # it); never reused inside CUDA-graph capture (the graph must hold its own subtraction).
-_LAST_SPLIT: list = [None, -1, None, None, None]  # cu_seqlens, version, starts, lengths, its metadata
+_LAST_SPLIT: list = [None, -1, None, None, None, 0, 0]
+# cu_seqlens, version, starts, lengths, its metadata, the addresses of starts and lengths
 
 
 # Whether the current CUDA stream is capturing a graph: torch's C function where it has one (its
@@ -135,7 +136,8 @@ def _split_cu_seqlens(cu_seqlens: torch.Tensor, q: torch.Tensor):
     if capturing is None:
         capturing = cu_seqlens.is_cuda and _capturing()
     if not capturing:  # a captured subtraction has not run yet: its lengths are the graph's only
-        _LAST_SPLIT[:] = [cu_seqlens, cu_seqlens._version, starts, lengths, meta]
+        _LAST_SPLIT[:] = [cu_seqlens, cu_seqlens._version, starts, lengths, meta, starts.data_ptr(),
+                          lengths.data_ptr()]
     return starts, lengths, meta
 
 
@@ -169,10 +171,11 @@ def window_attention_with_sinks(
     rank's heads. ``op`` defaults to vllm-sinks' Triton prefill op. Returns [T, Hq, Dv].
 
     With our op, a call signature seen before costs a key of the arguments that are not tensors,
-    one C check of the tensors' metadata (``signature_cache``) and one launch: the checks run on its
-    first call (here and in the op's ``plan``), the cu_seqlens split once per tensor
-    (``_split_cu_seqlens``), and the plan is cached by this function's own key (what the op's key
-    would hold: o and the offsets derive from q and cu_seqlens).
+    one C check of the tensors' metadata (``signature_cache``), a fresh output and the C launch its
+    kernel took before (``Plan.launch_seen``): the checks run on its first call (here and in the
+    op's ``plan``), the cu_seqlens split once per tensor (``_split_cu_seqlens``), and the plan is
+    cached by this function's own key (what the op's key would hold: o and the offsets derive from
+    q and cu_seqlens).
     """
     key0 = _KEY0_OF.get(semantics) if isinstance(semantics, str) else None
     if key0 is None:
@@ -182,9 +185,17 @@ def window_attention_with_sinks(
     mod = _OPS[0] if _OPS else _our_op_module()
     if op is not mod.context_attention_fwd:
         return _through(op, q, k, v, cu_seqlens, max_seqlen, window, sinks, key0, softmax_scale)
-    # A signature seen before: the arguments that are not tensors, then one C check of the tensors'
-    # metadata (signature_cache); placeholders stand in for an absent sink or an int bound (the
-    # int is in the key then).
+    return _window_call(q, k, v, cu_seqlens, max_seqlen, window, sinks, key0, softmax_scale)
+
+
+def _window_call(q, k, v, cu_seqlens, max_seqlen, window, sinks, key0: bool, softmax_scale):
+    """``window_attention_with_sinks`` through our op (imported: ``_OPS``), arguments positional
+    (the patched layer calls this directly: each keyword and frame is ~0.1–0.3 µs of a layer's
+    ~15). A signature seen before: the arguments that are not tensors, one C check of the tensors'
+    metadata (signature_cache; placeholders stand in for an absent sink or an int bound, the int
+    is in the key then), the cached cu_seqlens split and length bound, a fresh output and the C
+    launch (``Plan.launch_seen``)."""
+    mod = _OPS[0]
     if isinstance(max_seqlen, torch.Tensor):
         seen_key, bound_tensor = (_SEEN_KEY, type(window), window, key0, softmax_scale,
                                   sinks is None), max_seqlen
@@ -201,6 +212,17 @@ def window_attention_with_sinks(
         if check(q, k, v, cu_seqlens, sink_tensor, bound_tensor):
             chosen = plan
             break
+    split = _LAST_SPLIT
+    if chosen is not None and chosen._ready and cu_seqlens is split[0] and \
+            cu_seqlens._version == split[1] and not (cu_seqlens.is_cuda and _capturing()):
+        bound = _OPS[1]._LAST_BOUND  # host_length_bound's cache, read inline
+        hint = bound[2] if max_seqlen is bound[0] and max_seqlen._version == bound[1] else \
+            _OPS[1].host_length_bound(max_seqlen)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if chosen.launch_seen(q, k, v, out, sinks, hint, split[5], split[6]):
+            return out
+        chosen(q, k, v, out, split[2], split[3], sinks, max_seqlen)
+        return out
     starts, lengths, cu_meta = _split_cu_seqlens(cu_seqlens, q)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if chosen is None:
@@ -325,16 +347,22 @@ def make_forward_window_attn(semantics: str, resolve_op: Callable[[], PrefillOp]
     """
     semantics = parse_sink_semantics(semantics)
 
+    key0 = semantics == KEY0
+
     def _forward_window_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              cu_seqlens: torch.Tensor, max_seqlen: torch.Tensor) -> torch.Tensor:
         """Window attention with this rank's sinks, through the prefill op (vllm-sinks)."""
+        op = resolve_op() if resolve_op is not None else None
+        if _OPS and (op is None or op is _OPS[0].context_attention_fwd):  # ours, imported
+            return _window_call(q, k, v, cu_seqlens, max_seqlen, self.visual_token_window_size,
+                                attention_sinks_for_rank(self), key0, self.scale)
         return window_attention_with_sinks(
             q, k, v, cu_seqlens, max_seqlen,
             window=self.visual_token_window_size,
             sinks=attention_sinks_for_rank(self),
             semantics=semantics,
             softmax_scale=self.scale,
-            op=resolve_op() if resolve_op is not None else None,
+            op=op,
         )
 
     _forward_window_attn.sink_semantics = semantics  # apply() reads it back for the report line

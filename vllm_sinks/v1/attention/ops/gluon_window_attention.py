@@ -683,6 +683,14 @@ class WalkLaunch:
             chunk = max(4, triton.cdiv(tiles, per_seq))
         return chunk, triton.cdiv(tiles, chunk)
 
+    def ready(self, max_len_hint: int) -> tuple | None:
+        """The direct launch of this bound, once launched (``DirectLauncher.ready``), else None."""
+        bound = self._by_bound.get((max_len_hint, None))
+        if bound is None or not self._compiled:
+            return None
+        grid, tail, signature = bound
+        return _LAUNCHER.ready(signature, grid, tail)
+
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint: int,
                  chunk: int | None = None) -> bool:
         """Launch; False (nothing launched, nothing written) when this kernel variant failed to

@@ -44,7 +44,7 @@ _MAX_ENTRIES = 1024
 _RUNTIME = getattr(_knobs, "runtime", None)
 
 
-def _hooks_set() -> bool:
+def hooks_set() -> bool:
     """Whether a launch hook (a profiler) is installed. Triton 3.6 – 3.8 keep an empty
     ``HookChain`` there by default: a chain without calls is no hook."""
     runtime = _RUNTIME
@@ -174,7 +174,7 @@ class DirectLauncher:
                                start.data_ptr(), length.data_ptr())
         aligned = not (a | b | c | d | e | f | g) & 15
         entry = self._compiled.get(signature) if aligned else None
-        if entry is None or _hooks_set():
+        if entry is None or hooks_set():
             return self._through_triton(signature, grid, tensors, scalars, constexprs, options,
                                         aligned, (a, b, c, d, e, f, g))
         compiled, tail, launch, packed, head, entry_scalars, rest = entry
@@ -190,6 +190,26 @@ class DirectLauncher:
         else:
             launch(grid[0], grid[1], grid[2], stream, *head, a, b, c, d, e, f, g, *rest)
         return compiled
+
+    def ready(self, signature: Any, grid: tuple, scalars: tuple) -> tuple | None:
+        """``(C launch, get_stream, get_device, gx, gy, gz, head, rest)`` of a signature launched
+        before on this grid with these scalars (``rest``: the scalars and constexprs), where its launch is a direct C call of the packed
+        layout (Triton 3.7 – 3.9), else None. A seen call then launches with nothing else run
+        (``triton_prefill_attention.Plan.launch_seen``; DirectLauncher.__call__'s packed branch
+        with everything per signature looked up once):
+
+            launch(gx, gy, gz, get_stream(get_device()), *head,
+                   (q, k, v, o, sinks, starts, lengths, *rest))
+
+        with the seven pointers as ints, all 16-byte aligned, and no launch hook set
+        (``hooks_set``)."""
+        entry = self._compiled.get(signature)
+        if entry is None or self._stream is None:
+            return None
+        compiled, tail, launch, packed, head, entry_scalars, rest = entry
+        if launch is None or not packed:
+            return None
+        return (launch, *self._stream, *grid, head, (*scalars, *tail))
 
     def _through_triton(self, signature, grid, tensors, scalars, constexprs, options, aligned, ptrs):
         """Triton's own launch (it compiles a new signature), then the signature's entry."""

@@ -455,6 +455,14 @@ class PortableLaunch:
         max_tiles = (p.tokens + p.num_seqs * (cfg.block_t - 1)) // cfg.block_t
         return (num_head_groups * max_tiles, 1, 1), self.search_kwargs
 
+    def ready(self, max_len_hint: int | None) -> tuple | None:
+        """The direct launch of this bound, once launched (``DirectLauncher.ready``), else None."""
+        bound = self._by_bound.get(max_len_hint)
+        if bound is None or self.p.empty:
+            return None
+        grid, constexprs, signature = bound
+        return _LAUNCHER.ready(signature, grid, self.scalars)
+
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint: int | None):
         """Launch on these tensors (of the bound shapes and strides); returns the compiled kernel.
         ``max_len_hint``: a host-side bound on the longest sequence, or None; a bound that is too

@@ -56,9 +56,10 @@ Each kernel's ``plan`` says whether it takes a call; the first that does, in thi
 3. ``prefill_attention_portable.PortableLaunch`` — the portable Triton kernel: every call.
 
 A call signature (shapes, strides, dtypes, devices, arguments) is validated and planned once; later
-calls with it go straight to the chosen launch, recognised by their arguments that are not tensors
-and one C check of their tensors' metadata (``signature_cache``; the plan cache's key, ``call_key``,
-is built on a miss only). Calls that upstream's op measured faster on (int bound) are recognised
+calls with it go straight to the C launch its kernel took before with the same length bound
+(``Plan.launch_seen``), recognised by their arguments that are not tensors and one C check of
+their tensors' metadata (``signature_cache``; the plan cache's key, ``call_key``, is built on a
+miss only). Calls that upstream's op measured faster on (int bound) are recognised
 the same way (``route_key``) and handed to it before any of ours runs. A call whose whole
 signature was not validated before never takes either path.
 """
@@ -70,7 +71,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from vllm_sinks.v1.attention.ops import measured_choice, signature_cache
+from vllm_sinks.v1.attention.ops import kernel_launcher, measured_choice, signature_cache
 from vllm_sinks.v1.attention.ops.prefill_attention_portable import PortableLaunch
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     Problem,
@@ -143,6 +144,9 @@ class Plan:
     measured: bool = True
     #: upstream's time / ours, where the choice was timed (for the benchmark's table)
     speedup: float | None = None
+    #: length bound -> the direct C launch of the kernel that ran this signature with it
+    #: (``DirectLauncher.ready``), for ``launch_seen``; filled by the calls that launch
+    _ready: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def kernel(self) -> str:
@@ -150,13 +154,43 @@ class Plan:
         return (self.walk or self.upstream or self.portable).name
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len):
-        if self.walk is not None and \
-                self.walk(q, k, v, o, b_start_loc, b_seq_len, sinks, host_length_bound(max_input_len)):
-            return
+        if self.walk is not None:
+            hint = host_length_bound(max_input_len)
+            if self.walk(q, k, v, o, b_start_loc, b_seq_len, sinks, hint):
+                self._keep_ready(self.walk, hint)
+                return
         if self.upstream is not None:
             self.upstream(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
             return
-        self.portable(q, k, v, o, b_start_loc, b_seq_len, sinks, host_length_bound(max_input_len))
+        hint = host_length_bound(max_input_len)
+        self.portable(q, k, v, o, b_start_loc, b_seq_len, sinks, hint)
+        self._keep_ready(self.portable, hint)
+
+    def _keep_ready(self, launch, hint) -> None:
+        if hint not in self._ready:
+            ready = launch.ready(hint)
+            if ready is not None:
+                if len(self._ready) >= 64:
+                    self._ready.clear()
+                self._ready[hint] = ready
+
+    def launch_seen(self, q, k, v, o, sinks, hint, start_ptr: int, len_ptr: int) -> bool:
+        """Launch a call of this validated signature straight through the C launch its kernel
+        took before with this length bound (``host_length_bound``), given the start offsets' and
+        lengths' addresses; False (nothing launched) where there is none yet, a pointer is not
+        16-byte aligned (Triton compiled for aligned ones) or a launch hook is set: then the call
+        takes ``__call__``. A MiMo layer's CPU is mostly the frames between here and the C
+        launch otherwise (benchmarks/kernels/host_cost.py, "taken apart")."""
+        ready = self._ready.get(hint)
+        if ready is None:
+            return False
+        a, b, c, d = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+        e = a if sinks is None else sinks.data_ptr()
+        if (a | b | c | d | e | start_ptr | len_ptr) & 15 or kernel_launcher.hooks_set():
+            return False
+        launch, get_stream, get_device, gx, gy, gz, head, rest = ready
+        launch(gx, gy, gz, get_stream(get_device()), *head, (a, b, c, d, e, start_ptr, len_ptr, *rest))
+        return True
 
 
 def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, softmax_scale=None,
@@ -260,7 +294,10 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
         seen_key = seen = None
     for check, chosen in seen or ():
         if check(q, k, v, o, b_start_loc, b_seq_len, sink_tensor, bound_tensor):
-            chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
+            if not chosen._ready or not chosen.launch_seen(
+                    q, k, v, o, sinks, host_length_bound(max_input_len), b_start_loc.data_ptr(),
+                    b_seq_len.data_ptr()):
+                chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
             return
     key = call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
                    sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
