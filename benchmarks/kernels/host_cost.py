@@ -232,17 +232,16 @@ def mimo_layer_parts(calls: int, device: str = "cuda", sync=torch.cuda.synchroni
     mod = mimo._OPS[0]
     seen_key = (mimo._SEEN_KEY, int, 64, True, attn.scale, False)
     (check, chosen), *_ = mod._PLANS[seen_key]
-    starts, lengths, _ = mimo._split_cu_seqlens(cu, q)
-    ptrs = (starts.data_ptr(), lengths.data_ptr())
+    cu_ptr = cu.data_ptr()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     parts = {
         "layer": lambda: forward(attn, q, k, v, cu, max_seqlen),
         "sinks of rank": lambda: mimo.attention_sinks_for_rank(attn),
         "seen check": lambda: mod._PLANS.get(seen_key) and check(q, k, v, cu, sinks, max_seqlen),
-        "capture check": (lambda: mimo._capturing()) if cu.is_cuda else (lambda: None),
+        "bound read": lambda: max_seqlen.item(),
         "output": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
-        "launch seen": lambda: chosen.launch_seen(q, k, v, o, sinks, tokens, *ptrs),
-        "plan call": lambda: chosen(q, k, v, o, starts, lengths, sinks, max_seqlen),
+        "launch seen": lambda: chosen.launch_seen(q, k, v, o, sinks, tokens, cu_ptr, cu_ptr),
+        "plan call": lambda: chosen(q, k, v, o, cu, cu, sinks, max_seqlen),
     }
     rows = {name: per_call_us(fn, calls, sync=sync) for name, fn in parts.items()}
     if device != "cuda":

@@ -27,24 +27,27 @@ from benchmarks.kernels.inspect_prefill_sass import _INSTR, _cuobjdump, resource
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import SINKS_KEY0_BIAS, SINKS_NULL_LOGIT  # noqa: E402
 
-# (T, GP, queries per KV head, window q, window k, causal, sink mode)
-# gpt-oss: the default tiling (16-token tiles of 4 of the 8 heads per KV head: the walk's pairs of
-# static slot parity, like mimo); gpt-oss-gp8: 8-token tiles of 8 heads (the parity read per tile).
-CASES = {"mimo": (16, 4, 4, 64, 64, False, SINKS_KEY0_BIAS),
-         "gpt-oss": (16, 4, 8, 127, 0, True, SINKS_NULL_LOGIT),
-         "gpt-oss-gp8": (8, 8, 8, 127, 0, True, SINKS_NULL_LOGIT)}
+# (T, GP, queries per KV head, window q, window k, causal, sink mode, cu_seqlens offsets)
+# mimo: as the MiMo wrapper calls it (its cu_seqlens read as is); gpt-oss: the default tiling
+# (16-token tiles of 4 of the 8 heads per KV head: the walk's pairs of static slot parity, like
+# mimo), start offsets and lengths as the op's callers pass them; gpt-oss-gp8: 8-token tiles of 8
+# heads (the parity read per tile).
+CASES = {"mimo": (16, 4, 4, 64, 64, False, SINKS_KEY0_BIAS, True),
+         "gpt-oss": (16, 4, 8, 127, 0, True, SINKS_NULL_LOGIT, False),
+         "gpt-oss-gp8": (8, 8, 8, 127, 0, True, SINKS_NULL_LOGIT, False)}
 
 
 def compile_walk(case: str, gw=gw):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    T, gp, qpk, wq, wk, causal, sink_mode = CASES[case]
+    T, gp, qpk, wq, wk, causal, sink_mode, cu = CASES[case]
     geometry = gw.walk_geometry(T, wq, wk, causal)
-    sig, attrs, constexprs = signature(
-        gw._window_walk_kernel,
-        dict(T=T, GP=gp, QUERIES_PER_KV=qpk, NB=geometry.nb,
-             IS_CAUSAL=causal, HAS_WK=wk > 0, SINK_MODE=sink_mode),
-        floats={"qk_scale", "inv_scale"})
+    constexprs = dict(T=T, GP=gp, QUERIES_PER_KV=qpk, NB=geometry.nb, IS_CAUSAL=causal,
+                      HAS_WK=wk > 0, SINK_MODE=sink_mode)
+    if "CU_SEQLENS" in {p.name for p in gw._window_walk_kernel.params}:  # not in older --module copies
+        constexprs["CU_SEQLENS"] = cu
+    sig, attrs, constexprs = signature(gw._window_walk_kernel, constexprs,
+                                       floats={"qk_scale", "inv_scale"})
     src = GluonASTSource(fn=gw._window_walk_kernel, signature=sig, attrs=attrs,
                          constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),

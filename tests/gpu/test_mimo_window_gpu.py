@@ -114,10 +114,9 @@ def test_no_host_sync_on_max_seqlen():
 
 
 def test_a_captured_layer_replays_like_eager_calls_with_new_lengths():
-    """The wrapper's seen-signature path (its plan and its cu_seqlens split cached by eager calls)
-    inside a CUDA graph: the graph holds its own split, so new lengths written into cu_seqlens are
-    what a replay uses (a split cached from before the capture would be stale), and eager calls after
-    the capture split again."""
+    """The wrapper's seen-signature path (its plan and its launch kept from eager calls) inside a
+    CUDA graph: the kernel reads cu_seqlens itself, so new offsets written into it are what a replay
+    uses, and eager calls after the capture compute the same bits."""
     from vllm_sinks.model_executor.models.mimo_v2_omni import window_attention_with_sinks
     from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
         reference_prefill_attention,
@@ -135,7 +134,7 @@ def test_a_captured_layer_replays_like_eager_calls_with_new_lengths():
                                            sliding_window_q=WINDOW, sliding_window_k=WINDOW,
                                            sinks=sinks, sinks_bias_key0=True, dtype=torch.float32)
 
-    eager = layer()  # plan and split cached
+    eager = layer()  # planned
     layer()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -28,7 +28,6 @@ def launches(monkeypatch):
     launcher._stream = (lambda device: f"stream{device}", lambda: 0)
     monkeypatch.setattr(portable, "_LAUNCHER", launcher)
     op.use_upstream_op(None)  # clears the plan caches
-    fork._LAST_SPLIT[:] = [None, -1, None, None, None, 0, 0]
     with fakes.fake_active_driver():
         yield calls
     op.use_upstream_op(None)
@@ -88,7 +87,7 @@ def test_what_launch_seen_leaves_to_the_plan(launches, monkeypatch):
 
 def test_a_seen_mimo_layer_launches_once_into_a_fresh_output(launches, monkeypatch):
     """The patched layer's seen call: one C launch, into the output it returns (a new one each
-    call), on the split of cu_seqlens cached at the first call."""
+    call), with cu_seqlens' own address as the offsets (the kernel reads its cumulative offsets)."""
     layer = fork.make_forward_window_attn("key0")
     attn = torch.nn.Module()
     attn.sinks = torch.nn.Parameter(torch.randn(4), requires_grad=False)
@@ -105,7 +104,10 @@ def test_a_seen_mimo_layer_launches_once_into_a_fresh_output(launches, monkeypat
     assert len(launches.calls) == 2 and outs[0].data_ptr() != outs[1].data_ptr()
     for call, out in zip(launches.calls, outs):
         assert call[-1][3] == out.data_ptr()
-        assert call[-1][5:7] == (fork._LAST_SPLIT[2].data_ptr(), fork._LAST_SPLIT[3].data_ptr())
-    cu.copy_(torch.tensor([0, 30], dtype=torch.int32))  # written in place: split again first
+        assert call[-1][5:7] == (cu.data_ptr(), cu.data_ptr())
+    bound.fill_(31)  # a bound it has not launched with: the plan's own path, then ready for it
     layer(attn, *_call(seed=3)[:3], cu, bound)
-    assert fork._LAST_SPLIT[1] == cu._version and len(launches.calls) == 3
+    assert len(launches.calls) == 3
+    (entries,) = [e for key, e in op._PLANS.items() if key[0] == fork._SEEN_KEY]
+    (_, plan), = entries
+    assert sorted(plan._ready) == [31, 32]

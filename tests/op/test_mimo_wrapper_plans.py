@@ -42,7 +42,7 @@ def test_seen_signature_runs_without_checks_and_stays_right(monkeypatch):
     assert calls == [] and relative_l2(out, _ref(q2, k2, v2, cu, 3, s2)) < 1e-5
 
 
-def test_cu_seqlens_written_in_place_is_split_again():
+def test_cu_seqlens_written_in_place_is_read_again():
     q, k, v, cu, sinks = _inputs(2)
     fork.window_attention_with_sinks(q, k, v, cu, 12, 3, sinks)
     cu.copy_(torch.tensor([0, 12, 19], dtype=torch.int32))  # same object, new lengths (12, 7)
@@ -136,3 +136,56 @@ def test_sinks_are_read_from_a_modules_parameters_buffers_or_attributes():
     for how in ("parameter", "buffer", "attribute"):
         assert fork.attention_sinks_for_rank(module(how)).tolist() == [2.0, 3.0], how
     assert fork.attention_sinks_for_rank(module("none")) is None
+
+
+@pytest.mark.parametrize("bound", [19, 1, 100, "search"])
+def test_kernels_read_cumulative_offsets_as_is(bound):
+    """``cu_seqlens=True`` (the wrapper's calls): the kernels take sequence b as rows cu[b] …
+    cu[b + 1] - 1 from the one tensor, with a host bound exact, too small or too large, and with
+    the on-device search (a device tensor, here on the meta device, is never read); empty images
+    and offsets past the buffer are clamped, as with start offsets and lengths."""
+    lens = (7, 0, 12, 5)
+    q, k, v, cu, sinks = _inputs(8, lens=lens)
+    bound = torch.tensor(19, device="meta") if bound == "search" else bound
+    o = torch.full_like(q, float("nan"))
+    chosen = op.plan(q, k, v, o, cu, cu, bound, False, None, 3, 3, sinks, True, cu_seqlens=True)
+    chosen(q, k, v, o, cu, cu, sinks, bound)
+    assert relative_l2(o, _ref(q, k, v, cu, 3, sinks)) < 1e-5
+    past = torch.tensor([0, 20, 40], dtype=torch.int32)  # the second image runs past the 24 rows
+    q, k, v, _, sinks = _inputs(9, lens=(20, 4))
+    o = torch.full_like(q, float("nan"))
+    op.plan(q, k, v, o, past, past, 20, False, None, 3, 3, sinks, True, cu_seqlens=True)(
+        q, k, v, o, past, past, sinks, 20)
+    clamped = torch.tensor([0, 20, 24], dtype=torch.int32)
+    assert relative_l2(o, _ref(q, k, v, clamped, 3, sinks)) < 1e-5
+
+
+def test_cumulative_offsets_must_be_one_tensor():
+    q, k, v, cu, sinks = _inputs(10)
+    with pytest.raises(ValueError, match="one cu_seqlens tensor"):
+        op.plan(q, k, v, torch.empty_like(q), cu, cu.clone(), 12, False, None, 3, 3, sinks, True,
+                cu_seqlens=True)
+    with pytest.raises(ValueError, match="one cu_seqlens tensor"):
+        empty = torch.zeros(0, dtype=torch.int32)
+        op.plan(q, k, v, torch.empty_like(q), empty, empty, 12, False, None, 3, 3, sinks, True,
+                cu_seqlens=True)
+
+
+def test_inference_mode_tensors_and_in_place_offsets():
+    """vLLM runs models in inference mode, whose tensors keep no version counter: the wrapper
+    caches nothing keyed by one, so a seen signature with new offsets written into the same
+    cu_seqlens (and a new value into the same bound) computes with the new ones."""
+    with torch.inference_mode():
+        q, k, v, cu, sinks = _inputs(11)
+        bound = torch.tensor(12)
+        first = fork.window_attention_with_sinks(q, k, v, cu, bound, 3, sinks)
+        assert relative_l2(first, _ref(q, k, v, cu, 3, sinks)) < 1e-5
+        cu.copy_(torch.tensor([0, 12, 19], dtype=torch.int32))
+        bound.fill_(7)  # too small now: costs time, never output
+        again = fork.window_attention_with_sinks(q, k, v, cu, bound, 3, sinks)
+        assert relative_l2(again, _ref(q, k, v, cu, 3, sinks)) < 1e-5
+        o = torch.empty_like(q)
+        starts, lens = cu[:-1].clone(), (cu[1:] - cu[:-1])
+        for _ in range(2):  # the op's own seen path with an inference-mode host bound
+            op.context_attention_fwd(q, k, v, o, starts, lens, bound, False, None, 3, 3, sinks, True)
+        assert relative_l2(o, _ref(q, k, v, cu, 3, sinks)) < 1e-5

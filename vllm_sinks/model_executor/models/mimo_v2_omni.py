@@ -108,39 +108,6 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {device}")
 
 
-# The last cu_seqlens split into start offsets and lengths: the vision tower passes one tensor to
-# all 24 window layers of a pass, and the split costs three tensor ops, one of them a kernel launch
-# (~10 µs of CPU per layer). Keyed by the object and its version counter (an in-place write bumps
-# it); never reused inside CUDA-graph capture (the graph must hold its own subtraction).
-_LAST_SPLIT: list = [None, -1, None, None, None, 0, 0]
-# cu_seqlens, version, starts, lengths, its metadata, the addresses of starts and lengths
-
-
-# Whether the current CUDA stream is capturing a graph: torch's C function where it has one (its
-# Python wrapper is a third of the check's cost); only called for tensors on a CUDA device.
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or \
-    torch.cuda.is_current_stream_capturing
-
-
-def _split_cu_seqlens(cu_seqlens: torch.Tensor, q: torch.Tensor):
-    """(start offsets, lengths, cu_seqlens' metadata) of ``cu_seqlens``, checked (on q's device)."""
-    last = _LAST_SPLIT
-    capturing = None
-    if cu_seqlens is last[0] and cu_seqlens._version == last[1]:
-        capturing = cu_seqlens.is_cuda and _capturing()
-        if not capturing:
-            return last[2], last[3], last[4]
-    _check_cu_seqlens(cu_seqlens, q.device)
-    starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
-    meta = (cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.get_device())
-    if capturing is None:
-        capturing = cu_seqlens.is_cuda and _capturing()
-    if not capturing:  # a captured subtraction has not run yet: its lengths are the graph's only
-        _LAST_SPLIT[:] = [cu_seqlens, cu_seqlens._version, starts, lengths, meta, starts.data_ptr(),
-                          lengths.data_ptr()]
-    return starts, lengths, meta
-
-
 _KEY0_OF = {KEY0: True, NULL: False}
 #: First field of the wrapper's call keys in the op's plan cache (the op's own keys start with a
 #: shape: the two never collide): full keys -> plans, and the seen-signature entries (arguments
@@ -173,9 +140,8 @@ def window_attention_with_sinks(
     With our op, a call signature seen before costs a key of the arguments that are not tensors,
     one C check of the tensors' metadata (``signature_cache``), a fresh output and the C launch its
     kernel took before (``Plan.launch_seen``): the checks run on its first call (here and in the
-    op's ``plan``), the cu_seqlens split once per tensor (``_split_cu_seqlens``), and the plan is
-    cached by this function's own key (what the op's key would hold: o and the offsets derive from
-    q and cu_seqlens).
+    op's ``plan``), the kernels read ``cu_seqlens`` as is (no offsets or lengths derived from it),
+    and the plan is cached by this function's own key (``_window_call``).
     """
     key0 = _KEY0_OF.get(semantics) if isinstance(semantics, str) else None
     if key0 is None:
@@ -191,10 +157,13 @@ def window_attention_with_sinks(
 def _window_call(q, k, v, cu_seqlens, max_seqlen, window, sinks, key0: bool, softmax_scale):
     """``window_attention_with_sinks`` through our op (imported: ``_OPS``), arguments positional
     (the patched layer calls this directly: each keyword and frame is ~0.1–0.3 µs of a layer's
-    ~15). A signature seen before: the arguments that are not tensors, one C check of the tensors'
-    metadata (signature_cache; placeholders stand in for an absent sink or an int bound, the int
-    is in the key then), the cached cu_seqlens split and length bound, a fresh output and the C
-    launch (``Plan.launch_seen``)."""
+    ~15). ``cu_seqlens`` goes to the kernels as is (they read its cumulative offsets:
+    ``Problem.cu_seqlens``), so nothing is derived from it on the host and nothing derived is
+    cached: a CUDA graph replays whatever offsets it holds then, and inference-mode tensors (which
+    keep no version counter) need no special case. A signature seen before: the arguments that are
+    not tensors, one C check of the tensors' metadata (signature_cache; placeholders stand in for
+    an absent sink or an int bound, the int is in the key then), the bound read, a fresh output
+    and the C launch (``Plan.launch_seen``)."""
     mod = _OPS[0]
     if isinstance(max_seqlen, torch.Tensor):
         seen_key, bound_tensor = (_SEEN_KEY, type(window), window, key0, softmax_scale,
@@ -212,37 +181,30 @@ def _window_call(q, k, v, cu_seqlens, max_seqlen, window, sinks, key0: bool, sof
         if check(q, k, v, cu_seqlens, sink_tensor, bound_tensor):
             chosen = plan
             break
-    split = _LAST_SPLIT
-    if chosen is not None and chosen._ready and cu_seqlens is split[0] and \
-            cu_seqlens._version == split[1] and not (cu_seqlens.is_cuda and _capturing()):
-        bound = _OPS[1]._LAST_BOUND  # host_length_bound's cache, read inline
-        hint = bound[2] if max_seqlen is bound[0] and max_seqlen._version == bound[1] else \
-            _OPS[1].host_length_bound(max_seqlen)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        if chosen.launch_seen(q, k, v, out, sinks, hint, split[5], split[6]):
-            return out
-        chosen(q, k, v, out, split[2], split[3], sinks, max_seqlen)
-        return out
-    starts, lengths, cu_meta = _split_cu_seqlens(cu_seqlens, q)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if chosen is None:
-        chosen = _plan_window_call(mod, q, k, v, out, cu_seqlens, starts, lengths, cu_meta,
-                                   max_seqlen, window, sinks, key0, softmax_scale)
+        chosen = _plan_window_call(mod, q, k, v, out, cu_seqlens, max_seqlen, window, sinks, key0,
+                                   softmax_scale)
         if chosen.measured:  # validated: the next call with this signature skips all of the above
             _OPS[2].remember(mod._PLANS, seen_key, (q, k, v, cu_seqlens, sink_tensor, bound_tensor),
                              chosen)
-    chosen(q, k, v, out, starts, lengths, sinks, max_seqlen)
+    elif chosen._ready:
+        cu = cu_seqlens.data_ptr()
+        if chosen.launch_seen(q, k, v, out, sinks, _OPS[1].host_length_bound(max_seqlen), cu, cu):
+            return out
+    chosen(q, k, v, out, cu_seqlens, cu_seqlens, sinks, max_seqlen)
     return out
 
 
-def _plan_window_call(mod, q, k, v, out, cu_seqlens, starts, lengths, cu_meta, max_seqlen, window,
-                      sinks, key0, softmax_scale):
+def _plan_window_call(mod, q, k, v, out, cu_seqlens, max_seqlen, window, sinks, key0,
+                      softmax_scale):
     """The plan of a call whose signature the seen-signature check did not know: from the plan
-    cache by the full key (what the op's key would hold: o and the offsets derive from q and
-    cu_seqlens), else checked and planned."""
+    cache by the full key (what the op's key would hold: o derives from q, and cu_seqlens stands
+    for the offsets), else checked and planned."""
     try:
         key = (_WRAPPER_KEY, q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
-               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), cu_meta,
+               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), cu_seqlens.shape,
+               cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.get_device(),
                None if sinks is None else (sinks.shape, sinks.stride(), sinks.dtype, sinks.get_device()),
                _OPS[1].bound_key(max_seqlen), type(window), window, key0, softmax_scale)
         chosen = mod._PLANS.get(key)
@@ -251,8 +213,9 @@ def _plan_window_call(mod, q, k, v, out, cu_seqlens, starts, lengths, cu_meta, m
     if chosen is None:
         _check_inputs(q, k, v, cu_seqlens, window, sinks)
         max_seqlen = _bound_on_host(max_seqlen, q.device)
-        chosen = mod.remember(key, mod.plan(q, k, v, out, starts, lengths, max_seqlen, False,
-                                            softmax_scale, window, window, sinks, key0))
+        chosen = mod.remember(key, mod.plan(q, k, v, out, cu_seqlens, cu_seqlens, max_seqlen, False,
+                                            softmax_scale, window, window, sinks, key0,
+                                            cu_seqlens=True))
     return chosen
 
 

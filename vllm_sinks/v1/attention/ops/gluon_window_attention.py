@@ -70,6 +70,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     Problem,
     launch_options,
     load_sequence,
+    load_sequence_cu,
     on_nvidia_gpu,
     stride_args,
 )
@@ -402,7 +403,8 @@ if gluon is not None:
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
             stride_sink, stride_start, stride_len,
             T: gl.constexpr, GP: gl.constexpr, QUERIES_PER_KV: gl.constexpr, NB: gl.constexpr,
-            IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr):
+            IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr,
+            CU_SEQLENS: gl.constexpr):
         D: gl.constexpr = 64
         M: gl.constexpr = T * GP
         gl.static_assert(NB % 2 == 1, "walk_geometry gives odd bands only")
@@ -425,8 +427,11 @@ if gluon is not None:
         chunk_id = gl.program_id(1)
         seq = gl.program_id(2)
         kv_head = head_group * GP // QUERIES_PER_KV
-        seq_start64, seq_len = load_sequence(StartLoc, SeqLen, seq, total_tokens, stride_start,
-                                             stride_len)
+        if CU_SEQLENS:  # StartLoc holds cumulative offsets (SeqLen unused)
+            seq_start64, seq_len = load_sequence_cu(StartLoc, seq, total_tokens, stride_start)
+        else:
+            seq_start64, seq_len = load_sequence(StartLoc, SeqLen, seq, total_tokens, stride_start,
+                                                 stride_len)
         tiles = (seq_len + T - 1) // T
         t_begin = chunk_id * chunk
         t_end = gl.minimum(t_begin + chunk, tiles)
@@ -666,7 +671,7 @@ class WalkLaunch:
         scalars = (p.tokens, p.log2_scale, 1.0 / p.scale, p.window_q, p.window_k, band_offset)
         constexprs = dict(T=geometry.tokens_per_tile, GP=gp, QUERIES_PER_KV=p.queries_per_kv,
                           NB=geometry.nb, IS_CAUSAL=p.is_causal, HAS_WK=p.window_k > 0,
-                          SINK_MODE=p.sink_mode)
+                          SINK_MODE=p.sink_mode, CU_SEQLENS=p.cu_seqlens)
         options = launch_options(p.device, num_warps=4, maxnreg=_MAX_REGISTERS)
         return cls(geometry.tokens_per_tile, p.num_seqs, p.tokens, p.q_heads // gp,
                    _sm_count(p.device), scalars,

@@ -32,7 +32,8 @@ from vllm_sinks.v1.attention.ops import prefill_attention_problem as problem
 # What the kernel's body reads is imported by name (Triton resolves a kernel's globals in its own
 # module); the host side reaches the shared validation and launch helpers through `problem.`.
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (KEY0_BIAS_C, LOG2E_C, NONE_C,
-                                                                   NULL_LOGIT_C, load_sequence)
+                                                                   NULL_LOGIT_C, load_sequence,
+                                                                   load_sequence_cu)
 
 
 @triton.jit
@@ -287,6 +288,7 @@ def _prefill_attention_kernel(
     IS_CAUSAL: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
     SINK_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LOOP_LAYOUT: tl.constexpr,  # 0 one loop, mask on edge blocks; 1 three loops; 2 one masked loop
+    CU_SEQLENS: tl.constexpr,  # StartLoc holds cumulative offsets [num_seqs + 1] (SeqLen unused)
 ):
     pid = tl.program_id(0)
     head_group = pid % NUM_HEAD_GROUPS  # heads vary fastest: neighbours share K/V rows in L2
@@ -299,8 +301,11 @@ def _prefill_attention_kernel(
         seq = tl.program_id(1)
         slot = pid // NUM_HEAD_GROUPS
         num_slots = tl.num_programs(0) // NUM_HEAD_GROUPS - 1
-        seq_start, seq_len = load_sequence(StartLoc, SeqLen, seq, total_tokens, stride_start,
-                                            stride_len)
+        if CU_SEQLENS:
+            seq_start, seq_len = load_sequence_cu(StartLoc, seq, total_tokens, stride_start)
+        else:
+            seq_start, seq_len = load_sequence(StartLoc, SeqLen, seq, total_tokens, stride_start,
+                                                stride_len)
         if slot < num_slots:
             q_start = slot * BLOCK_T
             _attend_tile(Q, K, V, O, Sinks, seq_start, tl.where(q_start < seq_len, seq_len, 0),
@@ -325,7 +330,12 @@ def _prefill_attention_kernel(
         running = 0
         for b0 in range(0, num_seqs, BLOCK_B):
             in_batch = b0 + offs_b < num_seqs
-            lens = tl.load(SeqLen + (b0 + offs_b) * stride_len, mask=in_batch, other=0).to(tl.int32)
+            if CU_SEQLENS:
+                ends = tl.load(StartLoc + (b0 + offs_b + 1) * stride_start, mask=in_batch, other=0)
+                begins = tl.load(StartLoc + (b0 + offs_b) * stride_start, mask=in_batch, other=0)
+                lens = (ends - begins).to(tl.int32)
+            else:
+                lens = tl.load(SeqLen + (b0 + offs_b) * stride_len, mask=in_batch, other=0).to(tl.int32)
             ntiles = (tl.maximum(lens, 0) + BLOCK_T - 1) // BLOCK_T
             inclusive = tl.cumsum(ntiles, 0) + running
             before = (inclusive <= tile) & in_batch
@@ -336,8 +346,12 @@ def _prefill_attention_kernel(
         # several blocks and Triton's software pipeliner then leaves the key loops alone (measured:
         # no async copies at all). Idle programs run with an empty sequence instead.
         active = seq < num_seqs
-        seq_start, seq_len = load_sequence(StartLoc, SeqLen, tl.minimum(seq, num_seqs - 1),
-                                            total_tokens, stride_start, stride_len)
+        if CU_SEQLENS:
+            seq_start, seq_len = load_sequence_cu(StartLoc, tl.minimum(seq, num_seqs - 1),
+                                                  total_tokens, stride_start)
+        else:
+            seq_start, seq_len = load_sequence(StartLoc, SeqLen, tl.minimum(seq, num_seqs - 1),
+                                                total_tokens, stride_start, stride_len)
         q_start = (tile - tiles_before) * BLOCK_T
         seq_len = tl.where(active & (q_start < seq_len), seq_len, 0)
         _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_scale,
@@ -405,7 +419,7 @@ def kernel_constexprs(p: problem.Problem, cfg: LaunchConfig, seq_from_grid: bool
         BLOCK_D=_block_d(p), HEAD_DIM=p.head_dim, BLOCK_B=128, SEQ_FROM_GRID=seq_from_grid,
         IS_CAUSAL=p.is_causal, HAS_WQ=p.window_q > 0, HAS_WK=p.window_k > 0,
         SINK_MODE=p.sink_mode, DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
-        LOOP_LAYOUT=LOOP_LAYOUTS.index(cfg.loop_layout))
+        LOOP_LAYOUT=LOOP_LAYOUTS.index(cfg.loop_layout), CU_SEQLENS=p.cu_seqlens)
 
 
 _LAUNCHER = DirectLauncher(_prefill_attention_kernel)

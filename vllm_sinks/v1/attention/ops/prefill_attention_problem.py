@@ -50,6 +50,22 @@ def load_sequence(StartLoc, SeqLen, seq, total_tokens, stride_start, stride_len)
     """
     seq_start = tl.load(StartLoc + seq * stride_start).to(tl.int64)
     seq_len = tl.load(SeqLen + seq * stride_len).to(tl.int64)
+    return _clamp_sequence(seq_start, seq_len, total_tokens)
+
+
+@triton.jit
+def load_sequence_cu(CuSeqlens, seq, total_tokens, stride_cu):
+    """``load_sequence`` for cumulative offsets (``cu_seqlens``, [sequences + 1]): sequence ``seq``
+    is rows ``cu[seq] … cu[seq + 1] - 1``. The kernels read them so when the MiMo wrapper passes
+    its ``cu_seqlens`` as is (``Problem.cu_seqlens``): no lengths to derive on the host, so nothing
+    derived to cache, and a CUDA graph replays whatever offsets the tensor holds then."""
+    seq_start = tl.load(CuSeqlens + seq * stride_cu).to(tl.int64)
+    seq_len = tl.load(CuSeqlens + (seq + 1) * stride_cu).to(tl.int64) - seq_start
+    return _clamp_sequence(seq_start, seq_len, total_tokens)
+
+
+@triton.jit
+def _clamp_sequence(seq_start, seq_len, total_tokens):
     seq_len = tl.minimum(seq_len, total_tokens - seq_start)
     seq_len = tl.where(seq_start < 0, 0, tl.maximum(seq_len, 0)).to(tl.int32)
     return seq_start, seq_len
@@ -90,6 +106,9 @@ class Problem:
     scale: float
     # max_input_len is a host int or CPU tensor (readable without a sync: it can size the grid)
     host_bound: bool
+    # b_start_loc and b_seq_len are one cu_seqlens tensor [num_seqs + 1] of cumulative offsets (the
+    # MiMo wrapper's internal call, ``load_sequence_cu``); the op's own callers never pass this
+    cu_seqlens: bool = False
 
     @property
     def log2_scale(self) -> float:
@@ -121,37 +140,21 @@ def stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len) -> tuple:
             b_start_loc.stride(0), b_seq_len.stride(0))
 
 
-# The last CPU tensor read as a length bound: MiMo's vision tower passes one tensor to every layer,
-# and reading it costs ~3 µs of CPU per call. Keyed by the object and its version counter (an
-# in-place write bumps it), and the reference held here keeps the object's identity unique.
-_LAST_BOUND: list = [None, -1, None, None]  # tensor, version, value, its bound_key
-
-
 def host_length_bound(max_input_len) -> int | None:
     """``max_input_len`` as a host int when reading it costs no device sync (an int, or a CPU
     tensor as MiMo passes it), else None (a device tensor: the kernels find each program's
-    sequence on the device)."""
+    sequence on the device). A CPU tensor is read on every call (~0.2 µs): nothing keyed by the
+    object could tell an in-place write apart, since vLLM runs models in inference mode, whose
+    tensors keep no version counter."""
     if isinstance(max_input_len, torch.Tensor):
-        last = _LAST_BOUND
-        if max_input_len is last[0] and max_input_len._version == last[1]:
-            return last[2]
-        if max_input_len.device.type != "cpu":
-            return None
-        value = int(max_input_len)
-        _LAST_BOUND[:] = [max_input_len, max_input_len._version, value,
-                          (max_input_len.numel(), max_input_len.dtype, -1)]
-        return value
+        return max_input_len.item() if max_input_len.is_cpu else None
     return int(max_input_len)
 
 
 def bound_key(max_input_len):
     """What of ``max_input_len`` a call signature holds: whether it is an int, a host tensor or a
-    device tensor, not its value (launches keep their grids by bound). The tensor that
-    ``host_length_bound`` read last (MiMo passes one to every layer): its key kept from then."""
+    device tensor, not its value (launches keep their grids by bound)."""
     if isinstance(max_input_len, torch.Tensor):
-        last = _LAST_BOUND
-        if max_input_len is last[0] and max_input_len._version == last[1]:
-            return last[3]
         return (max_input_len.numel(), max_input_len.dtype, max_input_len.get_device())
     return (type(max_input_len), max_input_len >= 0)
 
@@ -216,12 +219,17 @@ def _check_shapes(q, k, v, o):
     return tokens, hq, hkv, d
 
 
-def _check_lengths(b_start_loc, b_seq_len, max_input_len):
+def _check_lengths(b_start_loc, b_seq_len, max_input_len, cu_seqlens: bool = False) -> int:
+    """The number of sequences (checks of the offsets, lengths and bound)."""
     for name, t in (("b_start_loc", b_start_loc), ("b_seq_len", b_seq_len)):
         _check_tensor(name, t, 1)
         if t.dtype not in INDEX_DTYPES:
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if b_start_loc.shape != b_seq_len.shape:
+    if cu_seqlens:
+        if b_start_loc is not b_seq_len or b_seq_len.shape[0] < 1:
+            raise ValueError("cumulative offsets: b_start_loc and b_seq_len must be one cu_seqlens "
+                             "tensor [num_seqs + 1]")
+    elif b_start_loc.shape != b_seq_len.shape:
         raise ValueError(f"b_start_loc and b_seq_len must have the same length; got "
                          f"{b_start_loc.shape[0]} and {b_seq_len.shape[0]}")
     if isinstance(max_input_len, torch.Tensor):
@@ -234,6 +242,7 @@ def _check_lengths(b_start_loc, b_seq_len, max_input_len):
                          f"{type(max_input_len).__name__}")
     elif max_input_len < 0:
         raise ValueError(f"max_input_len must be >= 0, got {max_input_len}")
+    return b_seq_len.shape[0] - 1 if cu_seqlens else b_seq_len.shape[0]
 
 
 def _check_scale(softmax_scale, d) -> float:
@@ -261,11 +270,12 @@ def _check_sinks(sinks, sinks_bias_key0, hq) -> int:
 
 
 def validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
-             sliding_window_q, sliding_window_k, sinks, sinks_bias_key0) -> Problem:
+             sliding_window_q, sliding_window_k, sinks, sinks_bias_key0,
+             cu_seqlens: bool = False) -> Problem:
     """Every check of a call, on tensor metadata only (no device→host sync); ValueError says what
-    is wrong."""
+    is wrong. ``cu_seqlens``: b_start_loc and b_seq_len are one tensor of cumulative offsets."""
     tokens, hq, hkv, d = _check_shapes(q, k, v, o)
-    _check_lengths(b_start_loc, b_seq_len, max_input_len)
+    num_seqs = _check_lengths(b_start_loc, b_seq_len, max_input_len, cu_seqlens)
     wq = normalize_window(sliding_window_q, "sliding_window_q")
     wk = normalize_window(sliding_window_k, "sliding_window_k")
     scale = _check_scale(softmax_scale, d)
@@ -280,7 +290,8 @@ def validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softm
     if device.type == "cpu" and not INTERPRETING:
         raise ValueError("tensors are on the CPU: the Triton kernel needs a GPU "
                          "(or TRITON_INTERPRET=1 for the interpreter)")
-    return Problem(tokens=tokens, num_seqs=b_seq_len.shape[0], q_heads=hq, kv_heads=hkv, head_dim=d,
+    return Problem(tokens=tokens, num_seqs=num_seqs, q_heads=hq, kv_heads=hkv, head_dim=d,
                    dtype=q.dtype, out_dtype=o.dtype, device=device, is_causal=bool(is_causal),
                    window_q=wq, window_k=wk, sink_mode=sink_mode, scale=scale,
-                   host_bound=host_length_bound(max_input_len) is not None)
+                   host_bound=host_length_bound(max_input_len) is not None,
+                   cu_seqlens=cu_seqlens)

@@ -104,7 +104,7 @@ def upstream_may_take(p: Problem) -> bool:
     window, no sink), output in the input dtype. Which of the two runs such a call is measured
     (``measured_choice``), per call signature. (In fp32 upstream's dots run in TF32, ours in IEEE
     fp32: where upstream is chosen, the call gets exactly what vLLM without the plugin gives.)"""
-    return p.full_attention and p.dtype == p.out_dtype and not p.empty
+    return p.full_attention and p.dtype == p.out_dtype and not p.empty and not p.cu_seqlens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,13 +194,16 @@ class Plan:
 
 
 def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, softmax_scale=None,
-         sliding_window_q=None, sliding_window_k=None, sinks=None, sinks_bias_key0=False) -> Plan:
+         sliding_window_q=None, sliding_window_k=None, sinks=None, sinks_bias_key0=False,
+         cu_seqlens: bool = False) -> Plan:
     """Validate a call (``context_attention_fwd``'s arguments) and choose its kernel. Where
     upstream's op may take the call too, both run on these tensors (``o`` is written) and the
-    faster is chosen (``measured_choice``)."""
+    faster is chosen (``measured_choice``). ``cu_seqlens`` (the MiMo wrapper's calls only):
+    b_start_loc and b_seq_len are one tensor of cumulative offsets [num_seqs + 1], which the
+    kernels read as is (``Problem.cu_seqlens``); the launches then take it in both places."""
     args = (q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
             sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
-    p = validate(*args)
+    p = validate(*args, cu_seqlens=cu_seqlens)
     walk = None
     if on_nvidia_gpu(p.device):
         # Imported at the first call on an NVIDIA GPU, not with this module: Gluon and the kernel's
