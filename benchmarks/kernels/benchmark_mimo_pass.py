@@ -14,9 +14,13 @@ q / k / v / sinks (32 / 8 heads, head dim 64, window 64 each side, bf16, key-0 s
 - **upstream**: vLLM 0.33.0's op (``peers.upstream_op``) called the way 0.33's
   ``_forward_window_attn`` calls it: a fresh output like q, this rank's slice of the sinks, start
   offsets and lengths sliced and subtracted from ``cu_seqlens``, the op with keywords;
-- ms / pass: ``triton.testing.do_bench`` median of the whole pass (L2 flushed before each pass);
+- ms / pass: ``triton.testing.do_bench`` median of the whole pass (L2 flushed before each pass),
+  each layer's output dropped before the next layer (``pass_of``);
 - CPU µs / layer: ours, one layer's call of a seen signature (``host_cost.per_call_us``: the GPU
   work only queued, synchronised outside the timer);
+- every number the best of ``--rounds`` rounds over all image sizes, interleaved: the GPU
+  machine's host CPU is shared, and its noise only ever adds (one run there measured the same
+  1024-token layer at 13 and 19 µs);
 - kernel µs / layer: our op's launches of the pass captured in one CUDA graph and replayed (no host
   cost), / 24;
 - pass / (24 × kernel): 1.0 is a pass bound by the GPU alone; the target is ≤ 1.15 on 1024 and 4096.
@@ -71,6 +75,14 @@ def upstream_window_layer(op):
     return forward
 
 
+def pass_of(forward, layers, cu, max_seqlen) -> None:
+    """One pass: each layer's output dropped before the next layer runs, as in the tower (the block
+    projects it, and it is freed; until session 16 the benchmark kept all 24 alive, which made
+    every layer's allocation find a new block)."""
+    for layer in layers:
+        forward(*layer, cu, max_seqlen)
+
+
 def kernel_us_per_layer(layers, cu, max_seqlen, bench) -> float:
     """Our op's launches of one pass in a CUDA graph, replayed: µs per layer, no host cost."""
     from vllm_sinks.v1.attention.ops.triton_prefill_attention import context_attention_fwd
@@ -112,7 +124,7 @@ def measure(tokens: int, upstream, bench) -> dict:
     candidates = [("ours", ours)] + ([("upstream", upstream_window_layer(upstream))] if upstream else [])
     for name, forward in candidates:
         row[f"{name}_err"] = relative_l2(forward(attn, q, k, v, cu, max_seqlen), ref)
-        row[f"{name}_ms"] = bench(lambda: [forward(*layer, cu, max_seqlen) for layer in layers])
+        row[f"{name}_ms"] = bench(lambda: pass_of(forward, layers, cu, max_seqlen))
     row["cpu_us"] = per_call_us(lambda: ours(*layers[0], cu, max_seqlen), 1000)
     row["kernel_us"] = kernel_us_per_layer(layers, cu, max_seqlen, bench)
     row["bound"] = row["ours_ms"] * 1e3 / (LAYERS * row["kernel_us"])
@@ -142,6 +154,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", default="256,1024,4096,16384")
     ap.add_argument("--peers", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT") or None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -160,11 +173,21 @@ def main(argv=None):
         torch.cuda.synchronize()
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
-    rows = []
-    for tokens in (int(x) for x in args.images.split(",")):
-        rows.append(measure(tokens, upstream, bench))
-        print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
-    header = (f"MiMo-V2.5 window attention, one encoder pass (24 window layers, eager), one image; "
+    sizes = [int(x) for x in args.images.split(",")]
+    best: dict = {}
+    for _ in range(args.rounds):
+        for tokens in sizes:
+            row = measure(tokens, upstream, bench)
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            kept = best.setdefault(tokens, row)
+            for name, value in row.items():
+                if name.endswith(("_ms", "_us")) and value < kept[name]:
+                    kept[name] = value
+    rows = [best[tokens] for tokens in sizes]
+    for r in rows:
+        r["bound"] = r["ours_ms"] * 1e3 / (LAYERS * r["kernel_us"])
+    header = (f"MiMo-V2.5 window attention, one encoder pass (24 window layers, eager), one image, "
+              f"best of {args.rounds} rounds; "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
               f"32/8 heads, D 64, window 64, key-0 sinks, bf16; upstream = vLLM 0.33.0's op "
               f"{'as its _forward_window_attn calls it' if upstream else 'NOT loaded'}.")
