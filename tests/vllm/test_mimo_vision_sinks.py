@@ -247,7 +247,10 @@ def test_data_parallel_vit_rank1_gets_all_heads_sinks(mimo, patch_mimo, route_ou
     with patch_mimo("key0"):
         monkeypatch.setattr(route_our_op, "context_attention_fwd",
                             _recording(route_our_op.context_attention_fwd, seen))
-        monkeypatch.setattr(fork, "_our_prefill_op", lambda: route_our_op.context_attention_fwd)
+        # the sinks the patched layer hands its op (ours, called directly where vLLM's drops
+        # them; vLLM's op module's, through the recording above, where it reads them)
+        for_rank = fork.attention_sinks_for_rank
+        monkeypatch.setattr(fork, "attention_sinks_for_rank", lambda a: seen.append(for_rank(a)) or seen[-1])
         out = attn._forward_window_attn(q, k, v, cu, max_seqlen)
     assert torch.equal(seen[-1], attn.sinks)
     assert ms.relative_error(out, reference(attn, q, k, v, cu)) <= TOLERANCE[torch.float32]
