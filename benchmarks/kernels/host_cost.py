@@ -284,6 +284,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--peers", default=None, help="fetch_peers.sh's folder (default .gpu/peers)")
+    ap.add_argument("--out", default=None, help="(ignored: this script prints its tables)")
     args = ap.parse_args(argv)
     import triton
 

@@ -73,29 +73,23 @@ if [ "$what" != bench ]; then
   [ "$what" = tests ] && exit $status
 fi
 
-if [ "$what" = host ]; then
-  t0=$(date +%s)
-  python3 benchmarks/kernels/benchmark_mimo_pass.py --out "$out" 2>&1 | tee "$out/mimo-pass.log" | grep -v -i warn | tail -n 8
+# step LOG SCRIPT ARGS...: one benchmark script, its output in $out/LOG, the tail shown
+step() {
+  local log=$1 lines=$2; shift 2
+  python3 "$@" --out "$out" 2>&1 | tee "$out/$log" | grep -v -i warn | tail -n "$lines"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  python3 benchmarks/kernels/host_cost.py 2>&1 | tee "$out/host.log" | grep -v -i warn | tail -n 14
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  echo "benchmark: $(( $(date +%s) - t0 )) s"
-  exit $status
-fi
-
-bench_args=()
-[ "$what" = tune ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")
-# e.g. BENCH_ARGS='--flex-cases "mimo 4x16384,gpt-oss 4x16384"' to save FlexAttention compiles
-eval "bench_args+=(${BENCH_ARGS:-})"
+}
 
 t0=$(date +%s)
-python3 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}" --out "$out" 2>&1 | tee "$out/bench.log" | grep -v -i warn | tail -n 40
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-python3 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out" 2>&1 | tee "$out/full.log" | grep -v -i warn | tail -n 14
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-python3 benchmarks/kernels/benchmark_mimo_pass.py --out "$out" 2>&1 | tee "$out/mimo-pass.log" | grep -v -i warn | tail -n 8
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-python3 benchmarks/kernels/host_cost.py 2>&1 | tee "$out/host.log" | grep -v -i warn | tail -n 14
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ "$what" != host ]; then
+  bench_args=()
+  [ "$what" = tune ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")
+  # e.g. BENCH_ARGS='--flex-cases "mimo 4x16384,gpt-oss 4x16384"' to save FlexAttention compiles
+  eval "bench_args+=(${BENCH_ARGS:-})"
+  step bench.log 40 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}"
+  step full.log 14 benchmarks/kernels/benchmark_full_attention.py --fa3
+fi
+step mimo-pass.log 8 benchmarks/kernels/benchmark_mimo_pass.py
+step host.log 16 benchmarks/kernels/host_cost.py
 echo "benchmark: $(( $(date +%s) - t0 )) s"
 exit $status
