@@ -111,3 +111,20 @@ def test_a_seen_mimo_layer_launches_once_into_a_fresh_output(launches, monkeypat
     (entries,) = [e for key, e in op._PLANS.items() if key[0] == fork._SEEN_KEY]
     (_, plan), = entries
     assert sorted(plan._ready) == [31, 32]
+
+
+def test_a_seen_mimo_layer_in_inference_mode_takes_launch_seen(launches, monkeypatch):
+    """As vLLM runs the tower: every tensor made in inference mode (no version counters)."""
+    layer = fork.make_forward_window_attn("key0")
+    with torch.inference_mode():
+        attn = torch.nn.Module()
+        attn.sinks = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+        attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = 4, 0, 1
+        attn.visual_token_window_size, attn.scale = 3, 0.25
+        cu, bound = torch.tensor([0, 20, 32], dtype=torch.int32), torch.tensor(20)
+        layer(attn, *_call()[:3], cu, bound)
+        with monkeypatch.context() as m:
+            m.setattr(op.Plan, "__call__", lambda *a: pytest.fail("not launched by launch_seen"))
+            out = layer(attn, *_call(seed=1)[:3], cu, bound)
+    (call,) = launches.calls
+    assert call[-1][3] == out.data_ptr() and call[-1][5:7] == (cu.data_ptr(), cu.data_ptr())
