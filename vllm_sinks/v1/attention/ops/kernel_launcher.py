@@ -193,8 +193,9 @@ class DirectLauncher:
 
     def ready(self, signature: Any, grid: tuple, scalars: tuple) -> tuple | None:
         """``(C launch, get_stream, get_device, gx, gy, gz, head, rest)`` of a signature launched
-        before on this grid with these scalars (``rest``: the scalars and constexprs), where its launch is a direct C call of the packed
-        layout (Triton 3.7 – 3.9), else None. A seen call then launches with nothing else run
+        before on this grid with these scalars (``rest``: the scalars and constexprs), where its
+        launch is a direct C call of the packed layout (Triton 3.7 – 3.9), else None. A seen call
+        then launches with nothing else run
         (``triton_prefill_attention.Plan.launch_seen``; DirectLauncher.__call__'s packed branch
         with everything per signature looked up once):
 
