@@ -57,12 +57,11 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # no
 SYNC_EVERY = 250
 
 
-def per_call_us(fn, calls: int, reps: int = 7, sync=torch.cuda.synchronize,
-                block: int | None = None) -> float:
+def per_call_us(fn, calls: int, reps: int = 7, sync=torch.cuda.synchronize) -> float:
     """Median over ``reps`` of the CPU µs per call of ``calls`` calls; ``sync`` (the GPU work
-    queued, None on a CPU) runs outside the timer, every ``block`` (default SYNC_EVERY) calls."""
+    queued, None on a CPU) runs outside the timer, every SYNC_EVERY calls."""
     fn()
-    block = calls if sync is None else min(calls, block or SYNC_EVERY)
+    block = calls if sync is None else min(calls, SYNC_EVERY)
     times = []
     for _ in range(reps):
         elapsed, done = 0.0, 0
@@ -182,13 +181,14 @@ def upstream_stand_in(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_caus
     ours is the difference between calling this through the front door and calling it alone."""
 
 
-def vision_attention_stand_in(sinks: torch.Tensor) -> torch.nn.Module:
+def vision_attention_stand_in(sinks: torch.Tensor, window: int = 64,
+                              scale: float = 64 ** -0.5) -> torch.nn.Module:
     """What ``_forward_window_attn`` reads of vLLM's ``MiMoVisionAttention``: a module whose sinks are
     a parameter (read through ``nn.Module``'s attribute lookup, as on the model), one partition."""
     attn = torch.nn.Module()
     attn.sinks = torch.nn.Parameter(sinks, requires_grad=False)  # vLLM's weights take no grad
     attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = sinks.shape[0], 0, 1
-    attn.visual_token_window_size, attn.scale = 64, 64 ** -0.5
+    attn.visual_token_window_size, attn.scale = window, scale
     return attn
 
 
@@ -284,7 +284,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--peers", default=None, help="fetch_peers.sh's folder (default .gpu/peers)")
-    ap.add_argument("--out", default=None, help="(ignored: this script prints its tables)")
     args = ap.parse_args(argv)
     import triton
 

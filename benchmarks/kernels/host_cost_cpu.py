@@ -26,10 +26,8 @@ of its signature that does nothing): upstream alone against the call through our
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
-import types
 
 os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors pass validation; the kernels never run here
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -62,10 +60,8 @@ def install_fake_kernels():
     for launcher in (portable._LAUNCHER, gw._LAUNCHER):
         if launcher is None:
             continue
-        kernel = launcher.kernel
-        params = getattr(kernel, "params", None) or [  # the interpreter's wrapper has none
-            types.SimpleNamespace(name=n) for n in inspect.signature(kernel.fn).parameters]
-        launcher.kernel = fakes.FakeKernel(params, lambda: fakes.fake_runner(C_NOOP))
+        launcher.kernel = fakes.FakeKernel(fakes.kernel_params(launcher.kernel),
+                                           lambda: fakes.fake_runner(C_NOOP))
         launcher._stream = (lambda device: 0, lambda: 0)  # torch's C functions on the GPU
 
 

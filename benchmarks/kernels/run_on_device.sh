@@ -73,10 +73,10 @@ if [ "$what" != bench ]; then
   [ "$what" = tests ] && exit $status
 fi
 
-# step LOG SCRIPT ARGS...: one benchmark script, its output in $out/LOG, the tail shown
+# step LOG LINES SCRIPT ARGS...: one benchmark script, its output in $out/LOG, its last LINES shown
 step() {
   local log=$1 lines=$2; shift 2
-  python3 "$@" --out "$out" 2>&1 | tee "$out/$log" | grep -v -i warn | tail -n "$lines"
+  python3 "$@" 2>&1 | tee "$out/$log" | grep -v -i warn | tail -n "$lines"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
@@ -86,10 +86,10 @@ if [ "$what" != host ]; then
   [ "$what" = tune ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")
   # e.g. BENCH_ARGS='--flex-cases "mimo 4x16384,gpt-oss 4x16384"' to save FlexAttention compiles
   eval "bench_args+=(${BENCH_ARGS:-})"
-  step bench.log 40 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}"
-  step full.log 14 benchmarks/kernels/benchmark_full_attention.py --fa3
+  step bench.log 40 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}" --out "$out"
+  step full.log 14 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out"
 fi
-step mimo-pass.log 8 benchmarks/kernels/benchmark_mimo_pass.py
+step mimo-pass.log 8 benchmarks/kernels/benchmark_mimo_pass.py --out "$out"
 step host.log 16 benchmarks/kernels/host_cost.py
 echo "benchmark: $(( $(date +%s) - t0 )) s"
 exit $status

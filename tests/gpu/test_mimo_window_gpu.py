@@ -152,6 +152,7 @@ def test_the_patched_layer_in_inference_mode():
     """As vLLM runs the tower (inference mode: its tensors keep no version counter): the patched
     layer's first and seen calls give the reference's output, and new offsets written into the same
     cu_seqlens are what the next call computes with."""
+    from benchmarks.kernels.host_cost import vision_attention_stand_in
     from vllm_sinks.model_executor.models.mimo_v2_omni import make_forward_window_attn
     from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
         reference_prefill_attention,
@@ -161,10 +162,7 @@ def test_the_patched_layer_in_inference_mode():
     layer = make_forward_window_attn("key0")
     with torch.inference_mode():
         q, k, v, sinks, cu = _case((1024, 3072), seed=11)
-        attn = torch.nn.Module()
-        attn.sinks = torch.nn.Parameter(sinks, requires_grad=False)
-        attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = HEADS, 0, 1
-        attn.visual_token_window_size, attn.scale = WINDOW, HEAD_DIM ** -0.5
+        attn = vision_attention_stand_in(sinks, WINDOW, HEAD_DIM ** -0.5)
         bound = torch.tensor(3072)
         for lengths in ((1024, 3072), (1024, 3072), (3000, 1096)):
             cu.copy_(torch.tensor([0, lengths[0], 4096], dtype=torch.int32))

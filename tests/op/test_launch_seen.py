@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.kernels.host_cost import vision_attention_stand_in
 from tests.support import triton_launch_fakes as fakes
 from vllm_sinks.model_executor.models import mimo_v2_omni as fork
 from vllm_sinks.v1.attention.ops import kernel_launcher
@@ -21,8 +22,7 @@ pytestmark = pytest.mark.skipif(not PACKED, reason="Triton 3.6's launcher: no re
 def launches(monkeypatch):
     """The portable kernel's launcher on a stand-in kernel whose C launch records its arguments."""
     calls = fakes.Recorder()
-    kernel = fakes.FakeKernel(portable._LAUNCHER.kernel.params if hasattr(portable._LAUNCHER.kernel,
-                                                                          "params") else _params(),
+    kernel = fakes.FakeKernel(fakes.kernel_params(portable._LAUNCHER.kernel),
                               lambda: fakes.fake_runner(calls))
     launcher = kernel_launcher.DirectLauncher(kernel)
     launcher._stream = (lambda device: f"stream{device}", lambda: 0)
@@ -31,13 +31,6 @@ def launches(monkeypatch):
     with fakes.fake_active_driver():
         yield calls
     op.use_upstream_op(None)
-
-
-def _params():
-    import inspect
-    import types
-    return [types.SimpleNamespace(name=n)
-            for n in inspect.signature(portable._prefill_attention_kernel.fn).parameters]
 
 
 def _call(tokens=32, seed=0):
@@ -89,10 +82,7 @@ def test_a_seen_mimo_layer_launches_once_into_a_fresh_output(launches, monkeypat
     """The patched layer's seen call: one C launch, into the output it returns (a new one each
     call), with cu_seqlens' own address as the offsets (the kernel reads its cumulative offsets)."""
     layer = fork.make_forward_window_attn("key0")
-    attn = torch.nn.Module()
-    attn.sinks = torch.nn.Parameter(torch.randn(4), requires_grad=False)
-    attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = 4, 0, 1
-    attn.visual_token_window_size, attn.scale = 3, 0.25
+    attn = vision_attention_stand_in(torch.randn(4), window=3, scale=0.25)
     q, k, v, *_ = _call()
     cu = torch.tensor([0, 32], dtype=torch.int32)
     bound = torch.tensor(32)
@@ -117,10 +107,7 @@ def test_a_seen_mimo_layer_in_inference_mode_takes_launch_seen(launches, monkeyp
     """As vLLM runs the tower: every tensor made in inference mode (no version counters)."""
     layer = fork.make_forward_window_attn("key0")
     with torch.inference_mode():
-        attn = torch.nn.Module()
-        attn.sinks = torch.nn.Parameter(torch.randn(4), requires_grad=False)
-        attn.num_heads_per_partition, attn.tp_rank, attn.tp_size = 4, 0, 1
-        attn.visual_token_window_size, attn.scale = 3, 0.25
+        attn = vision_attention_stand_in(torch.randn(4), window=3, scale=0.25)
         cu, bound = torch.tensor([0, 20, 32], dtype=torch.int32), torch.tensor(20)
         layer(attn, *_call()[:3], cu, bound)
         with monkeypatch.context() as m:

@@ -63,6 +63,17 @@ def fake_runner(launch, *, global_scratch_size=0, profile_scratch_size=0, gsan=F
     return runner
 
 
+def kernel_params(kernel) -> list:
+    """A jitted kernel's parameters (objects with ``name``), as ``DirectLauncher`` reads them; under
+    Triton's interpreter, whose wrapper has none, from the Python function's signature."""
+    import inspect
+
+    params = getattr(kernel, "params", None)
+    if params:
+        return params
+    return [types.SimpleNamespace(name=n) for n in inspect.signature(kernel.fn).parameters]
+
+
 class FakeCompiled:
     """What ``kernel[grid](...)`` returns on a GPU: ``run`` (the launcher), ``function`` (the CUfunction
     handle), ``packed_metadata`` (num_warps, num_ctas, shared memory)."""

@@ -691,7 +691,7 @@ class WalkLaunch:
     def ready(self, max_len_hint: int) -> tuple | None:
         """The direct launch of this bound, once launched (``DirectLauncher.ready``), else None."""
         bound = self._by_bound.get((max_len_hint, None))
-        if bound is None or not self._compiled:
+        if bound is None:
             return None
         grid, tail, signature = bound
         return _LAUNCHER.ready(signature, grid, tail)

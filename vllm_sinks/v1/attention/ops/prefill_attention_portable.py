@@ -472,7 +472,7 @@ class PortableLaunch:
     def ready(self, max_len_hint: int | None) -> tuple | None:
         """The direct launch of this bound, once launched (``DirectLauncher.ready``), else None."""
         bound = self._by_bound.get(max_len_hint)
-        if bound is None or self.p.empty:
+        if bound is None:
             return None
         grid, constexprs, signature = bound
         return _LAUNCHER.ready(signature, grid, self.scalars)

@@ -154,17 +154,15 @@ class Plan:
         return (self.walk or self.upstream or self.portable).name
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len):
-        if self.walk is not None:
-            hint = host_length_bound(max_input_len)
-            if self.walk(q, k, v, o, b_start_loc, b_seq_len, sinks, hint):
-                self._keep_ready(self.walk, hint)
-                return
-        if self.upstream is not None:
+        if self.upstream is not None:  # never beside a walk: ``plan`` builds one or the other
             self.upstream(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
             return
         hint = host_length_bound(max_input_len)
-        self.portable(q, k, v, o, b_start_loc, b_seq_len, sinks, hint)
-        self._keep_ready(self.portable, hint)
+        launch = self.walk
+        if launch is None or not launch(q, k, v, o, b_start_loc, b_seq_len, sinks, hint):
+            launch = self.portable
+            launch(q, k, v, o, b_start_loc, b_seq_len, sinks, hint)
+        self._keep_ready(launch, hint)
 
     def _keep_ready(self, launch, hint) -> None:
         if hint not in self._ready:
