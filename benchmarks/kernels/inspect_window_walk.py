@@ -51,7 +51,7 @@ def compile_walk(case: str, gw=gw):
     src = GluonASTSource(fn=gw._window_walk_kernel, signature=sig, attrs=attrs,
                          constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=gw._MAX_REGISTERS))
+                          options=dict(num_warps=4, maxnreg=gw._MAX_REGISTERS, enable_fp_fusion=True))
 
 
 def read_compiled(compiled, sass_path: str | None = None):

@@ -1,5 +1,5 @@
 """The op's CUDA-only parts stay off other platforms: the Hopper kernel only on an NVIDIA sm_90
-GPU, CUDA-only launch options (``maxnreg``) only there. ROCm builds of PyTorch also call their
+GPU, CUDA-only launch options (``maxnreg``, ``enable_fp_fusion``) only there. ROCm builds of PyTorch also call their
 devices "cuda" (and an MI300 reports compute capability 9.4), so the checks look at
 ``torch.version.hip``, not at the device type alone. No GPU needed: the platform is faked."""
 
@@ -22,7 +22,10 @@ def nvidia(monkeypatch):
 
 
 def test_launch_options_are_cuda_only(nvidia, monkeypatch):
-    assert problem.launch_options(CUDA, 4, 3, maxnreg=80) == dict(num_warps=4, num_stages=3, maxnreg=80)
+    assert problem.launch_options(CUDA, 4, 3, maxnreg=80) == dict(num_warps=4, num_stages=3, maxnreg=80,
+                                                                 enable_fp_fusion=True)
+    # FMA contraction by name: Triton 3.10 turns its default off (3.9 warns so)
+    assert problem.launch_options(CUDA, 4) == dict(num_warps=4, enable_fp_fusion=True)
     assert problem.launch_options(torch.device("cpu"), 4, maxnreg=80) == dict(num_warps=4)
     monkeypatch.setattr(torch.version, "hip", "6.4.0")  # ROCm: "cuda" devices, no maxnreg
     assert problem.launch_options(CUDA, 4, 3, maxnreg=80) == dict(num_warps=4, num_stages=3)
@@ -30,7 +33,7 @@ def test_launch_options_are_cuda_only(nvidia, monkeypatch):
 
 def test_no_cuda_only_options_in_the_interpreter(monkeypatch):
     monkeypatch.setattr(problem, "INTERPRETING", True)
-    assert "maxnreg" not in problem.launch_options(CUDA, 4, maxnreg=80)
+    assert problem.launch_options(CUDA, 4, maxnreg=80) == dict(num_warps=4)
 
 
 def test_hopper_kernel_rejects_rocm(nvidia, monkeypatch):

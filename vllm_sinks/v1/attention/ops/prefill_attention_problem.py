@@ -78,12 +78,18 @@ def on_nvidia_gpu(device: torch.device) -> bool:
 
 def launch_options(device: torch.device, num_warps: int, num_stages: int | None = None,
                    maxnreg: int | None = None) -> dict:
-    """Triton launch options; the CUDA-only ones (``maxnreg``) only on an NVIDIA GPU."""
+    """Triton launch options; the CUDA-only ones only on an NVIDIA GPU: ``maxnreg``, and FMA
+    contraction asked for by name (``enable_fp_fusion``). Triton 3.7–3.9 contract by default, and
+    the kernels were tuned and their error measured so; Triton 3.9 warns once per process that
+    the default turns to "off" in 3.10 (``TRITON_DEFAULT_FP_FUSION``), which would change the
+    kernels' code and numerics under a user's feet."""
     options = dict(num_warps=num_warps)
     if num_stages is not None:
         options["num_stages"] = num_stages
-    if maxnreg and on_nvidia_gpu(device):
-        options["maxnreg"] = maxnreg
+    if on_nvidia_gpu(device):
+        options["enable_fp_fusion"] = True
+        if maxnreg:
+            options["maxnreg"] = maxnreg
     return options
 
 
