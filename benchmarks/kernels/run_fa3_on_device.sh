@@ -10,13 +10,7 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-out/device}
 mkdir -p "$out"
 export VLLM_SINKS_FA3_TESTS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -n "${TRITON_TARBALL:-}" ]; then
-  slim=/tmp/triton-slim; rm -rf "$slim"; mkdir -p "$slim"; tar -xJf "$TRITON_TARBALL" -C "$slim"
-  export PYTHONPATH="$slim:$PYTHONPATH"
-  ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
-  [ -x "$slim/triton/backends/nvidia/bin/ptxas" ] || export TRITON_PTXAS_PATH=$ptxas
-  export TRITON_PTXAS_BLACKWELL_PATH=${TRITON_PTXAS_BLACKWELL_PATH:-$ptxas}  # 3.9 compiles sm_90 with it
-fi
+. benchmarks/kernels/device_triton.sh  # TRITON_TARBALL, PTXAS_TARBALL
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee "$out/versions.txt"
 t0=$(date +%s)
 timeout "${SMOKE_S:-150}" python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_window_fa3_gpu.py \

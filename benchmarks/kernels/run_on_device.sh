@@ -13,7 +13,8 @@
 #
 # TRITON_TARBALL=.gpu/triton-3.7.1-slim.tar.xz runs everything under that Triton instead of the
 # machine's (a slimmed Triton wheel, packed outside this repo; carry it): users have 3.7.1 (vLLM 0.27-0.32),
-# 3.8.x (0.33) and 3.9.0 (the vLLM on torch 2.15), the machine 3.6. The benchmarks' peers come from
+# 3.8.x (0.33) and 3.9.0 (the vLLM on torch 2.15), the machine 3.6. PTXAS_TARBALL (pack_ptxas.sh)
+# adds the ptxas that release's wheel ships (device_triton.sh). The benchmarks' peers come from
 # benchmarks/kernels/fetch_peers.sh
 # (carry .gpu/peers).
 set -uo pipefail
@@ -21,16 +22,7 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-out/device}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -n "${TRITON_TARBALL:-}" ]; then
-  slim=/tmp/triton-slim; rm -rf "$slim"; mkdir -p "$slim"; tar -xJf "$TRITON_TARBALL" -C "$slim"
-  export PYTHONPATH="$slim:$PYTHONPATH"
-  # A slim build without its own ptxas uses the machine's (CUDA 13); from Triton 3.9 on, sm_90
-  # compiles with the one TRITON_PTXAS_BLACKWELL_PATH names.
-  if [ ! -x "$slim/triton/backends/nvidia/bin/ptxas" ]; then
-    export TRITON_PTXAS_PATH=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
-    export TRITON_PTXAS_BLACKWELL_PATH=$TRITON_PTXAS_PATH
-  fi
-fi
+. benchmarks/kernels/device_triton.sh  # TRITON_TARBALL, PTXAS_TARBALL
 what=${1:-all}
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
