@@ -53,7 +53,7 @@ compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90
     t0=$(date +%s)
     if "$venv/bin/python" benchmarks/kernels/inspect_window_walk.py --case "$case" \
         >"$out/compile-$name-$case.log" 2>&1; then
-      echo "compile check ($name, Triton $triton): $(grep -m 1 "^$case:" "$out/compile-$name-$case.log")"
+      echo "compile check ($name, Triton $triton): $(grep "^$case:" "$out/compile-$name-$case.log" | paste -sd '|' - | sed 's/|/; then /')"
     else
       rc=1
       echo "compile check FAILED: the Hopper kernel ($case) does not compile for sm_90a under Triton" \

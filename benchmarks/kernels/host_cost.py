@@ -101,7 +101,7 @@ def case(name, tokens, hq, hkv, bound, kwargs, calls):
     rows["plan launch"] = per_call_us(lambda: launch(q, k, v, o, starts, lens, sinks, hint), calls)
     tensors = (q, k, v, o, sinks if sinks is not None else q, starts, lens)
     if chosen.walk is not None:
-        grid, tail, signature = launch._by_bound[(hint, None)]
+        grid, tail, signature, _ = launch._by_bound[(hint, None)]
         kernel, constexprs, launcher = gw._window_walk_kernel, launch.constexprs, gw._LAUNCHER
     else:
         grid, constexprs, signature = launch._by_bound[hint]

@@ -7,7 +7,8 @@ memory, and its instructions by opcode.
 Needs the GPU machine's Triton (3.6: Gluon's API differs in other releases; see DEVELOPERS.md for
 the venv). What it answers between GPU runs: whether the kernel compiles at all, whether it still
 fits three programs per SM (≤ 168 registers, no spill; ≤ ~75 KB of shared memory), and where its
-instructions go. Timing still needs the device (kernel log, run 9).
+instructions go. Where it spills at 168 (Triton 3.9's ptxas 13.4), the budget ``WalkLaunch`` then
+takes (``ROOMY``) is compiled too. Timing still needs the device (kernel log, run 9).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ CASES = {"mimo": (16, 4, 4, 64, 64, False, SINKS_KEY0_BIAS, True),
          "gpt-oss-gp8": (8, 8, 8, 127, 0, True, SINKS_NULL_LOGIT, False)}
 
 
-def compile_walk(case: str, gw=gw):
+def compile_walk(case: str, gw=gw, maxnreg: int = gw.TIGHT.maxnreg):
     from triton.experimental.gluon._runtime import GluonASTSource
+
 
     T, gp, qpk, wq, wk, causal, sink_mode, cu = CASES[case]
     geometry = gw.walk_geometry(T, wq, wk, causal)
@@ -51,7 +53,7 @@ def compile_walk(case: str, gw=gw):
     src = GluonASTSource(fn=gw._window_walk_kernel, signature=sig, attrs=attrs,
                          constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=gw._MAX_REGISTERS, enable_fp_fusion=True))
+                          options=dict(num_warps=4, maxnreg=maxnreg, enable_fp_fusion=True))
 
 
 def read_compiled(compiled, sass_path: str | None = None):
@@ -71,11 +73,16 @@ def main(argv=None):
     ap.add_argument("--sass", help="also write the SASS here")
     ap.add_argument("--module", help="compile this copy of gluon_window_attention.py instead")
     args = ap.parse_args(argv)
-    compiled = compile_walk(args.case, load_variant(args.module) if args.module else gw)
-    sass, res, ops = read_compiled(compiled, args.sass)
-    print(f"{args.case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
-          f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions")
-    print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
+    module = load_variant(args.module) if args.module else gw
+    for budget in (gw.TIGHT, gw.ROOMY):  # as WalkLaunch runs it: the second where the first spills
+        compiled = compile_walk(args.case, module, budget.maxnreg)
+        sass, res, ops = read_compiled(compiled, args.sass)
+        print(f"{args.case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
+              f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions "
+              f"(maxnreg {budget.maxnreg}, {budget.programs_per_sm} programs per SM)")
+        print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
+        if not res.get("stack"):
+            break
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def _launch_parts(kernel: str, seed: int):
 
         launch = chosen.walk
         launch(q, k, v, torch.empty_like(q), b_start, b_len, sinks, hint)  # compile, bind the bound
-        grid, tail, signature = launch._by_bound[(hint, None)]
+        grid, tail, signature, _ = launch._by_bound[(hint, None)]
         return (launch, gw._LAUNCHER, gw._window_walk_kernel, grid, tail, launch.constexprs,
                 signature, (q, k, v, sinks, b_start, b_len), hint)
     launch = chosen.portable

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -605,11 +606,26 @@ def walk_unavailable(device: torch.device) -> str | None:
     return _UNAVAILABLE[index]
 
 
-# Programs resident per SM: up to 74 KB of shared memory each (NB = 9: 12 ring slots of K and V,
-# three query buffers), and registers capped at 168 so that three programs' 12 warps fit the
-# register file (ptxas: 164–168 at NB = 9, no spill).
-_PROGRAMS_PER_SM = 3
-_MAX_REGISTERS = 168
+@dataclasses.dataclass(frozen=True)
+class RegisterBudget:
+    """Registers per thread a variant is compiled with (``maxnreg``) and the programs per SM its
+    launches plan for (``WalkLaunch.chunking``)."""
+
+    maxnreg: int
+    programs_per_sm: int
+
+
+#: Three programs per SM: up to 74 KB of shared memory each (NB = 9: 12 ring slots of K and V,
+#: three query buffers), and registers capped at 168 so that three programs' 12 warps fit the
+#: 64K-register file. ptxas 12.8–13.0 (Triton 3.7, 3.8) fit the walk there without a spill.
+TIGHT = RegisterBudget(168, 3)
+#: Where ptxas spills at 168 (13.3–13.4, the ptxas-blackwell that Triton 3.9 compiles sm_90 with,
+#: needs ~208 registers: MiMo 4 × 16384 ran 435 µs spilling against 228 µs unspilled, session
+#: 17): no cap below the hardware's, and the two programs per SM that then fit.
+ROOMY = RegisterBudget(255, 2)
+#: variant -> the budget it runs with, once its compile at TIGHT spilled (a fact of the compiler
+#: at hand, read from the compiled kernel: not a list of releases)
+_BUDGETS: dict = {}
 _SM_COUNT: dict = {}
 
 
@@ -623,6 +639,15 @@ def _sm_count(device: torch.device) -> int:
 _LAUNCHER = DirectLauncher(_window_walk_kernel) if gluon is not None else None
 _COMPILED_VARIANTS: set = set()
 _FAILED_VARIANTS: set = set()
+
+
+class BoundLaunch(NamedTuple):
+    """One length bound's launch of a ``WalkLaunch``: worked out once, used by every call."""
+
+    grid: tuple
+    tail: tuple  # the kernel's scalar arguments after the tensors
+    signature: tuple  # the DirectLauncher's key: plan token, bound, chunk, register budget
+    options: dict  # Triton's launch options (the budget's maxnreg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,8 +667,8 @@ class WalkLaunch:
     variant: tuple  # the compiled kernel this launch needs: its constexprs and dtype
     # Stands for this plan's call key (dtypes included) in the launcher's cache.
     token: int = dataclasses.field(default_factory=new_token, compare=False)
-    # grid and scalar arguments by length bound: the launch is CPU-bound for one MiMo image, so
-    # nothing is recomputed per call (a ViT passes the same bound in every layer)
+    # (length bound, chunk) -> BoundLaunch: the launch is CPU-bound for one MiMo image, so nothing
+    # is recomputed per call (a ViT passes the same bound in every layer)
     _by_bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     _compiled: list = dataclasses.field(default_factory=list, compare=False, repr=False)  # [True] once launched
 
@@ -672,18 +697,22 @@ class WalkLaunch:
         constexprs = dict(T=geometry.tokens_per_tile, GP=gp, QUERIES_PER_KV=p.queries_per_kv,
                           NB=geometry.nb, IS_CAUSAL=p.is_causal, HAS_WK=p.window_k > 0,
                           SINK_MODE=p.sink_mode, CU_SEQLENS=p.cu_seqlens)
-        options = launch_options(p.device, num_warps=4, maxnreg=_MAX_REGISTERS)
+        options = launch_options(p.device, num_warps=4, maxnreg=TIGHT.maxnreg)
         return cls(geometry.tokens_per_tile, p.num_seqs, p.tokens, p.q_heads // gp,
                    _sm_count(p.device), scalars,
                    stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len), constexprs, options,
                    tuple(sorted(constexprs.items())) + (p.dtype, ))
+
+    def budget(self) -> RegisterBudget:
+        """The register budget this launch's variant runs with (``TIGHT`` unless it spilled)."""
+        return _BUDGETS.get(self.variant, TIGHT)
 
     def chunking(self, max_len_hint: int, chunk: int | None = None):
         """(tiles per program, programs per sequence and head group) for a length bound: by
         default one wave of programs over the bound's tiles, at least 4 tiles each."""
         tiles = triton.cdiv(min(max(max_len_hint, 1), self.tokens), self.tokens_per_tile)
         if chunk is None:
-            resident = self.sm_count * _PROGRAMS_PER_SM
+            resident = self.sm_count * self.budget().programs_per_sm
             per_seq = max(1, resident // (self.head_groups * self.num_seqs))
             chunk = max(4, triton.cdiv(tiles, per_seq))
         return chunk, triton.cdiv(tiles, chunk)
@@ -693,30 +722,38 @@ class WalkLaunch:
         bound = self._by_bound.get((max_len_hint, None))
         if bound is None:
             return None
-        grid, tail, signature = bound
-        return _LAUNCHER.ready(signature, grid, tail)
+        return _LAUNCHER.ready(bound.signature, bound.grid, bound.tail)
+
+    def _bound(self, max_len_hint: int, chunk: int | None) -> BoundLaunch:
+        bound = self._by_bound.get((max_len_hint, chunk))
+        if bound is None:
+            budget = self.budget()
+            chunk_tiles, num_chunks = self.chunking(max_len_hint, chunk)
+            options = self.options
+            if "maxnreg" in options and budget is not TIGHT:
+                options = {**options, "maxnreg": budget.maxnreg}
+            if len(self._by_bound) >= 64:
+                self._by_bound.clear()
+            bound = self._by_bound[(max_len_hint, chunk)] = BoundLaunch(
+                (self.head_groups, num_chunks, self.num_seqs),
+                (*self.scalars, chunk_tiles, num_chunks, *self.strides),
+                (self.token, max_len_hint, chunk, budget.maxnreg), options)
+        return bound
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint: int,
                  chunk: int | None = None) -> bool:
         """Launch; False (nothing launched, nothing written) when this kernel variant failed to
         compile, which is then reported once and never tried again: the caller falls back."""
-        bound = self._by_bound.get((max_len_hint, chunk))
-        if bound is None:
-            chunk_tiles, num_chunks = self.chunking(max_len_hint, chunk)
-            grid = (self.head_groups, num_chunks, self.num_seqs)
-            tail = (*self.scalars, chunk_tiles, num_chunks, *self.strides)
-            if len(self._by_bound) >= 64:
-                self._by_bound.clear()
-            bound = self._by_bound[(max_len_hint, chunk)] = (grid, tail, (self.token, max_len_hint, chunk))
-        grid, tail, signature = bound
+        grid, tail, signature, options = self._by_bound.get((max_len_hint, chunk)) or \
+            self._bound(max_len_hint, chunk)
         tensors = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len)
         if self._compiled:  # the common case: nothing to decide
-            _LAUNCHER(signature, grid, tensors, tail, self.constexprs, self.options)
+            _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options)
             return True
         if self.variant in _FAILED_VARIANTS:
             return False
         try:  # the first launch of a variant compiles it
-            _LAUNCHER(signature, grid, tensors, tail, self.constexprs, self.options)
+            compiled = _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options)
         except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
             if self.variant in _COMPILED_VARIANTS:
                 raise  # it compiled before: a real launch error, not the compiler's
@@ -726,5 +763,12 @@ class WalkLaunch:
                           "shape", stacklevel=2)
             return False
         _COMPILED_VARIANTS.add(self.variant)
+        if signature[-1] == TIGHT.maxnreg and getattr(compiled, "n_spills", 0):
+            # This output is right, only slow: from the next call on, the variant runs unspilled
+            # at two programs per SM (its bounds are planned again, and their direct launches
+            # made then, so none keeps the spilling kernel).
+            _BUDGETS[self.variant] = ROOMY
+            self._by_bound.clear()
+            return True
         self._compiled.append(True)
         return True
