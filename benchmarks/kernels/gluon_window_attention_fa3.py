@@ -61,7 +61,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
 from vllm_sinks.v1.attention.ops.gluon_api import TMA_IMPORT_ERROR as GLUON_IMPORT_ERROR
 from vllm_sinks.v1.attention.ops.gluon_api import (TensorDescriptor, cta_barrier,
                                                    fence_async_shared, gl, gluon, mbarrier,
-                                                   reinterpret, tma_load)
+                                                   reinterpret, tma_load, warpgroup_mma_wait)
 
 if GLUON_IMPORT_ERROR is not None:
     gluon = None
@@ -86,6 +86,8 @@ _PARTITION_REGS = {2: (168, 240, 24), 3: (128, 160, 24)}
 #: start at even slots): how much further ahead the producer may load. One program per SM has
 #: shared memory to spare.
 EXTRA_SLOTS = 4
+#: Consumer counts the OVERLAP variant compiles for (two bands of scores in flight per warpgroup).
+OVERLAP_CONSUMERS = (2, 3)
 
 
 if gluon is not None:
@@ -130,13 +132,88 @@ if gluon is not None:
             tma_load(q_desc, [seq_row + t * T, q_col, 0], q_ready.index(qi), q_bufs.index(qi))
 
     @gluon.jit
+    def _tile_output(scores, C: gl.constexpr, i, t, b0, s0, odd, buffers, scalars, rows, sink_raw,
+                     m_floor, nblocks, first_kb, o_seq, o_off, io_cols, row_tokens,
+                     T: gl.constexpr, GP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr,
+                     NC: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr,
+                     SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr):
+        """Tile ``t`` (this warpgroup's ``i``-th) from its band's scores on: the committed walk's
+        mask, max and P · V, the release of the blocks before the warpgroup's next band, the
+        normalisation and the store."""
+        q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn = buffers
+        (O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale, inv_scale,
+         window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink) = scalars
+        D: gl.constexpr = 64
+        M: gl.constexpr = T * GP
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 8, 16])
+        io_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                   warps_per_cta=[4, 1], order=[1, 0])
+        row_layout: gl.constexpr = rows.type.layout
+        if PINGPONG:
+            # Consumer 0 takes the first turn without waiting; from then on its turn comes
+            # from consumer NC - 1 of the round before.
+            if C == 0:
+                mbarrier.wait(turn.index(0), (i - 1) & 1, pred=i > 0)
+            else:
+                mbarrier.wait(turn.index(C), i & 1)
+        pos = t * T + rows // GP
+        row_lo = gl.maximum(pos - window_q, 0)
+        if IS_CAUSAL:
+            row_hi = pos
+            if HAS_WK:
+                row_hi = gl.minimum(row_hi, pos + window_k)
+        else:
+            row_hi = pos + window_k
+        row_hi = gl.minimum(row_hi, seq_len - 1)
+        edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
+        scores = _mask_band(scores, b0 * BLOCK_KEYS_C, odd, row_lo, row_hi, sink_raw, edge,
+                            NB, SINK_MODE == KEY0_BIAS_C, -1)
+        m = _band_max(scores, m_floor, NB, row_layout)
+        mc = m * qk_scale
+        acc, l_acc = _band_pv(scores, mc, qk_scale, ring_v, ones, s0, odd, M, D, NB, NS,
+                              o_layout, l_layout)
+        if PINGPONG:
+            # The next consumer's turn starts once this one's exponentials are issued. Round
+            # robin gives consumer C - 1 at least as many tiles as C, and consumer NC - 1 at
+            # least one fewer than 0 (whose first turn is not waited for): every turn
+            # waited for comes, each barrier's phases complete in order, none is skipped.
+            mbarrier.arrive(turn.index((C + 1) % NC), count=1)
+        # Blocks before this warpgroup's next band are done with (its wgmmas have completed),
+        # from where its previous tile's release stopped (from first_kb on its first tile).
+        rel_lo = first_kb
+        if i > 0:
+            rel_lo = gl.maximum(first_kb, gl.minimum(b0, nblocks))
+        rel_hi = gl.minimum(_band_start(t + NC, T, window_q, band_offset), nblocks)
+        for kb in range(rel_lo, rel_hi):
+            mbarrier.arrive(kv_free.index(kb % NS), count=1)
+        l = gl.convert_layout(gl.max(l_acc, 1), row_layout, assert_trivial=True)
+        if SINK_MODE == NULL_LOGIT_C:
+            l += gl.exp2(sink_raw * qk_scale - mc)
+        r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [l],
+                                      dtype=gl.float32, is_pure=True, pack=1)
+        inv_l = gl.convert_layout(r, gl.SliceLayout(1, o_layout), assert_trivial=True)
+        out = gl.convert_layout((acc * gl.expand_dims(inv_l, 1)).to(O.dtype.element_ty),
+                                io_layout)
+        o_ptr = o_seq + (t * T).to(gl.int64) * stride_ot + (gl.expand_dims(o_off, 1) + io_cols)
+        gl.store(o_ptr, out, mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
+
+    @gluon.jit
     def _consumer(C: gl.constexpr, buffers, scalars, T: gl.constexpr, GP: gl.constexpr,
                   NB: gl.constexpr, NS: gl.constexpr, NC: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr):
+                  HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr,
+                  OVERLAP: gl.constexpr):
         """One warpgroup: tiles ``t_begin + C``, ``+ NC``, … of the program, each the committed
         walk's exact band softmax. ``buffers`` and ``scalars``: the kernel's shared memory and
         the program's runtime values, as the kernel packs them (one tuple each, so that every
-        partition's argument list stays short; constexprs stay separate literals)."""
+        partition's argument list stays short; constexprs stay separate literals).
+
+        OVERLAP (FlashAttention-3's intra-warpgroup overlap): tile i's Q · Kᵀ was issued in the
+        iteration before; iteration i waits for tile i + 1's blocks and queries, issues its
+        Q · Kᵀ, waits for tile i's scores only (its groups stay in flight), and runs tile i's
+        softmax and P · V while the tensor cores compute tile i + 1's scores."""
         q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn = buffers
         (O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale, inv_scale,
          window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink) = scalars
@@ -144,10 +221,6 @@ if gluon is not None:
         M: gl.constexpr = T * GP
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 16, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 8, 16])
         io_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                    warps_per_cta=[4, 1], order=[1, 0])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -173,84 +246,98 @@ if gluon is not None:
         o_seq = O + seq_start64 * stride_ot
 
         n_tiles = (t_end - t_begin - C + NC - 1) // NC
-        for i in range(0, n_tiles):
-            t = t_begin + C + i * NC
-            qi = C * 2 + i % 2
+        if OVERLAP:
+            # Groups _band_scores commits (one per wgmma): the next tile's, left in flight.
+            GROUPS: gl.constexpr = NB // 2 + 1
+            # Prologue: tile 0's band, waited for at once. In flight into the loop, ptxas
+            # serialises every wgmma of the kernel (C7514: it does not follow groups that cross
+            # the loop's entry), so the first tile's Q · Kᵀ is not overlapped. A warpgroup
+            # without tiles waits for no barrier and issues it anyway over whatever its buffers
+            # hold (no branch around a wgmma, DEVELOPERS.md run 13); the results are dropped.
+            t = t_begin + C
             b0 = _band_start(t, T, window_q, band_offset)
             hi = gl.minimum(b0 + NB, nblocks)
-            # The blocks this warpgroup has not waited for: from where its previous tile's band
-            # ended (not carried through the loop: see _producer).
-            lo = first_kb
-            if i > 0:
-                lo = gl.maximum(first_kb, gl.minimum(
-                    _band_start(t - NC, T, window_q, band_offset) + NB, nblocks))
-            for kb in range(lo, hi):
+            if n_tiles <= 0:
+                hi = first_kb
+            for kb in range(first_kb, hi):
                 mbarrier.wait(kv_ready.index(kb % NS), ((kb - first_kb) // NS) & 1)
-            mbarrier.wait(q_ready.index(qi), (i // 2) & 1)
+            mbarrier.wait(q_ready.index(C * 2), 0, pred=n_tiles > 0)
             s0 = (b0 + NS) % NS
-            odd = s0 % 2
-            pending = _band_scores(q_bufs.index(qi), ring_k, s0, odd, M, NB, NS, s_layout)
-            scores = _finish_scores(pending, NB, s_layout)
-            # The QK wgmmas read every warp's Q registers: the buffer is free. The fence orders
-            # this warpgroup's reads of it (ldmatrix, generic proxy) before the producer's next
-            # TMA write (async proxy).
-            fence_async_shared()
-            mbarrier.arrive(q_free.index(qi), count=1)
-            if PINGPONG:
-                # Consumer 0 takes the first turn without waiting; from then on its turn comes
-                # from consumer NC - 1 of the round before.
-                if C == 0:
-                    mbarrier.wait(turn.index(0), (i - 1) & 1, pred=i > 0)
-                else:
-                    mbarrier.wait(turn.index(C), i & 1)
-            pos = t * T + rows // GP
-            row_lo = gl.maximum(pos - window_q, 0)
-            if IS_CAUSAL:
-                row_hi = pos
-                if HAS_WK:
-                    row_hi = gl.minimum(row_hi, pos + window_k)
-            else:
-                row_hi = pos + window_k
-            row_hi = gl.minimum(row_hi, seq_len - 1)
-            edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
-            scores = _mask_band(scores, b0 * BLOCK_KEYS_C, odd, row_lo, row_hi, sink_raw, edge,
-                                NB, SINK_MODE == KEY0_BIAS_C, -1)
-            m = _band_max(scores, m_floor, NB, row_layout)
-            mc = m * qk_scale
-            acc, l_acc = _band_pv(scores, mc, qk_scale, ring_v, ones, s0, odd, M, D, NB, NS,
-                                  o_layout, l_layout)
-            if PINGPONG:
-                # The next consumer's turn starts once this one's exponentials are issued. Round
-                # robin gives consumer C - 1 at least as many tiles as C, and consumer NC - 1 at
-                # least one fewer than 0 (whose first turn is not waited for): every turn
-                # waited for comes, each barrier's phases complete in order, none is skipped.
-                mbarrier.arrive(turn.index((C + 1) % NC), count=1)
-            # Blocks before this warpgroup's next band are done with (its wgmmas have completed),
-            # from where its previous tile's release stopped (from first_kb on its first tile).
-            rel_lo = first_kb
-            if i > 0:
-                rel_lo = gl.maximum(first_kb, gl.minimum(b0, nblocks))
-            rel_hi = gl.minimum(_band_start(t + NC, T, window_q, band_offset), nblocks)
-            for kb in range(rel_lo, rel_hi):
-                mbarrier.arrive(kv_free.index(kb % NS), count=1)
-            l = gl.convert_layout(gl.max(l_acc, 1), row_layout, assert_trivial=True)
-            if SINK_MODE == NULL_LOGIT_C:
-                l += gl.exp2(sink_raw * qk_scale - mc)
-            r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [l],
-                                          dtype=gl.float32, is_pure=True, pack=1)
-            inv_l = gl.convert_layout(r, gl.SliceLayout(1, o_layout), assert_trivial=True)
-            out = gl.convert_layout((acc * gl.expand_dims(inv_l, 1)).to(O.dtype.element_ty),
-                                    io_layout)
-            o_ptr = o_seq + (t * T).to(gl.int64) * stride_ot + (gl.expand_dims(o_off, 1) + io_cols)
-            gl.store(o_ptr, out, mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
+            pending = _band_scores(q_bufs.index(C * 2), ring_k, s0, s0 % 2, M, NB, NS, s_layout)
+            pending = warpgroup_mma_wait(0, deps=pending)
+            for i in range(0, n_tiles):
+                t = t_begin + C + i * NC
+                qi = C * 2 + i % 2
+                b0 = _band_start(t, T, window_q, band_offset)
+                s0 = (b0 + NS) % NS
+                odd = s0 % 2
+                # The next tile's blocks: from where this tile's band ends (computed from the
+                # tile index, not carried: see _producer). Its Q · Kᵀ reads only blocks from its
+                # own band's start on, which this warpgroup releases after that tile.
+                bn = _band_start(t + NC, T, window_q, band_offset)
+                lo_n = gl.maximum(first_kb, gl.minimum(b0 + NB, nblocks))
+                hi_n = gl.minimum(bn + NB, nblocks)
+                qn = C * 2 + (i + 1) % 2
+                sn = (bn + NS) % NS
+                last = i + 1 >= n_tiles
+                if last:
+                    # No next tile: issue this tile's band again (its query buffer and blocks
+                    # are still this warpgroup's, so nothing races); the results are dropped.
+                    hi_n = lo_n
+                    qn = qi
+                    sn = s0
+                for kb in range(lo_n, hi_n):
+                    mbarrier.wait(kv_ready.index(kb % NS), ((kb - first_kb) // NS) & 1)
+                mbarrier.wait(q_ready.index(qn), ((i + 1) // 2) & 1, pred=i + 1 < n_tiles)
+                nxt = _band_scores(q_bufs.index(qn), ring_k, sn, sn % 2, M, NB, NS, s_layout)
+                # Tile i's groups were committed before the next tile's GROUPS: wait for them
+                # only. (P · V's wait for all groups, in _band_pv, completes the next tile's
+                # scores too: by then the tensor cores have long computed them.)
+                scores = _finish_scores(pending, NB, s_layout, GROUPS)
+                # Tile i's Q · Kᵀ has completed: its query buffer is free (the fence as below).
+                fence_async_shared()
+                mbarrier.arrive(q_free.index(qi), count=1)
+                _tile_output(scores, C, i, t, b0, s0, odd, buffers, scalars, rows, sink_raw,
+                             m_floor, nblocks, first_kb, o_seq, o_off, io_cols, row_tokens, T,
+                             GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+                # Nothing in flight here: _band_pv's wait has completed ``nxt`` too.
+                pending = nxt
+        else:
+            for i in range(0, n_tiles):
+                t = t_begin + C + i * NC
+                qi = C * 2 + i % 2
+                b0 = _band_start(t, T, window_q, band_offset)
+                hi = gl.minimum(b0 + NB, nblocks)
+                # The blocks this warpgroup has not waited for: from where its previous tile's
+                # band ended (not carried through the loop: see _producer).
+                lo = first_kb
+                if i > 0:
+                    lo = gl.maximum(first_kb, gl.minimum(
+                        _band_start(t - NC, T, window_q, band_offset) + NB, nblocks))
+                for kb in range(lo, hi):
+                    mbarrier.wait(kv_ready.index(kb % NS), ((kb - first_kb) // NS) & 1)
+                mbarrier.wait(q_ready.index(qi), (i // 2) & 1)
+                s0 = (b0 + NS) % NS
+                odd = s0 % 2
+                pending = _band_scores(q_bufs.index(qi), ring_k, s0, odd, M, NB, NS, s_layout)
+                scores = _finish_scores(pending, NB, s_layout)
+                # The QK wgmmas read every warp's Q registers: the buffer is free. The fence
+                # orders this warpgroup's reads of it (ldmatrix, generic proxy) before the
+                # producer's next TMA write (async proxy).
+                fence_async_shared()
+                mbarrier.arrive(q_free.index(qi), count=1)
+                _tile_output(scores, C, i, t, b0, s0, odd, buffers, scalars, rows, sink_raw,
+                             m_floor, nblocks, first_kb, o_seq, o_off, io_cols, row_tokens, T,
+                             GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
 
     @gluon.jit
     def _consumer_worker(buffers, scalars, C: gl.constexpr, T: gl.constexpr, GP: gl.constexpr,
                          NB: gl.constexpr, NS: gl.constexpr, NC: gl.constexpr,
                          IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+                         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """A worker partition's consumer (workers take no tensors and no leading constexpr)."""
-        _consumer(C, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+        _consumer(C, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG,
+                  OVERLAP)
 
     @gluon.jit
     def _window_fa3_kernel(
@@ -259,7 +346,8 @@ if gluon is not None:
             stride_ot, stride_oh, stride_sink, stride_start, stride_len,
             T: gl.constexpr, GP: gl.constexpr, QUERIES_PER_KV: gl.constexpr, NB: gl.constexpr,
             NS: gl.constexpr, NC: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr,
-            SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+            SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+            CONSUMER_REGS: gl.constexpr):
         D: gl.constexpr = 64
         M: gl.constexpr = T * GP
         gl.static_assert(NB % 2 == 1, "walk_geometry gives odd bands only")
@@ -330,9 +418,9 @@ if gluon is not None:
         if NC == 2:
             gl.warp_specialize([
                 (_consumer, (0, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE,
-                             PINGPONG)),
+                             PINGPONG, OVERLAP)),
                 (_consumer_worker, (buffers, scalars, 1, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
-                                    SINK_MODE, PINGPONG)),
+                                    SINK_MODE, PINGPONG, OVERLAP)),
                 (_producer, (q_desc, k_desc, v_desc, q_tma, k_tma, v_tma, q_ready, q_free,
                              kv_ready, kv_free, seq_row, seq_len, head_group * GP, kv_head,
                              t_begin, t_end, window_q, band_offset, T, NB, NS, NC)),
@@ -341,11 +429,11 @@ if gluon is not None:
             gl.static_assert(NC == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
                 (_consumer, (0, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE,
-                             PINGPONG)),
+                             PINGPONG, OVERLAP)),
                 (_consumer_worker, (buffers, scalars, 1, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
-                                    SINK_MODE, PINGPONG)),
+                                    SINK_MODE, PINGPONG, OVERLAP)),
                 (_consumer_worker, (buffers, scalars, 2, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
-                                    SINK_MODE, PINGPONG)),
+                                    SINK_MODE, PINGPONG, OVERLAP)),
                 (_producer, (q_desc, k_desc, v_desc, q_tma, k_tma, v_tma, q_ready, q_free,
                              kv_ready, kv_free, seq_row, seq_len, head_group * GP, kv_head,
                              t_begin, t_end, window_q, band_offset, T, NB, NS, NC)),
@@ -384,17 +472,21 @@ class Fa3WalkLaunch:
 
     @classmethod
     def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks, gp: int | None = None,
-             consumers: int = CONSUMERS, pingpong: bool = False):
+             consumers: int = CONSUMERS, pingpong: bool = False, overlap: bool = False):
         """A launch when the call fits, else None: the committed walk's conditions, 16-token
-        tiles (``gp`` 4: a band gains one block per tile), and TMA-legal q, k, v."""
+        tiles (``gp`` 4: a band gains one block per tile), and TMA-legal q, k, v. ``overlap``
+        (the consumers' Q · Kᵀ of the next tile during this one's softmax) only with
+        OVERLAP_CONSUMERS warpgroups."""
+        if overlap and consumers not in OVERLAP_CONSUMERS:
+            return None
         if not p.host_bound or walk.walk_unavailable(p.device) is not None:
             return None
         if GLUON_IMPORT_ERROR is not None:
             return None
         if p.dtype not in (torch.float16, torch.bfloat16) or p.out_dtype != p.dtype:
             return None
-        if p.head_dim != HEAD_DIM or p.empty or p.num_seqs > MAX_GRID_YZ:
-            return None
+        if p.head_dim != HEAD_DIM or p.empty or p.num_seqs > MAX_GRID_YZ or p.cu_seqlens:
+            return None  # (cu_seqlens offsets: the committed walk's CU_SEQLENS is not built here)
         gp = ROWS // BLOCK_KEYS if gp is None else gp
         if gp != ROWS // BLOCK_KEYS or p.queries_per_kv % gp:
             return None
@@ -407,7 +499,7 @@ class Fa3WalkLaunch:
         constexprs = dict(T=geometry.tokens_per_tile, GP=gp, QUERIES_PER_KV=p.queries_per_kv,
                           NB=geometry.nb, NS=geometry.nb + 3 + EXTRA_SLOTS, NC=consumers,
                           IS_CAUSAL=p.is_causal, HAS_WK=p.window_k > 0, SINK_MODE=p.sink_mode,
-                          PINGPONG=pingpong, CONSUMER_REGS=regs[1])
+                          PINGPONG=pingpong, OVERLAP=overlap, CONSUMER_REGS=regs[1])
         options = launch_options(p.device, num_warps=4, maxnreg=regs[0])
         strides = (o.stride(0), o.stride(1), sinks.stride(0) if sinks is not None else 0,
                    b_start_loc.stride(0), b_seq_len.stride(0))
