@@ -2,8 +2,8 @@
 without a GPU: registers per partition (setmaxnreg), spills, shared memory, instructions by opcode.
 
     ~/.cache/vllm-sinks/venvs/vllm-none/bin/python benchmarks/kernels/inspect_window_fa3.py --case mimo
-    ... --consumers 3 --pingpong --overlap --sass out.sass --ptx out.ptx --ttgir out.ttgir \
-        --module COPY.py
+    ... --consumers 3 --pingpong --overlap [pairs|tiles] --sass out.sass --ptx out.ptx \
+        --ttgir out.ttgir --module COPY.py
 
 Its arguments differ from the committed walk's (TMA descriptors), hence a script of its own; the
 cases are ``inspect_window_walk``'s.
@@ -32,7 +32,8 @@ def _desc_type(block, dtype="bf16"):
     return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
 
-def compile_fa3(case: str, consumers: int, pingpong: bool, module=fa3, overlap: bool = False):
+def compile_fa3(case: str, consumers: int, pingpong: bool, module=fa3, overlap=False):
+    """``overlap``: a key of the module's OVERLAP_MODES (False, True or "pairs", "tiles")."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     T, gp, qpk, wq, wk, causal, sink_mode = CASES[case][:7]  # the walk's 8th: CU_SEQLENS
@@ -43,7 +44,7 @@ def compile_fa3(case: str, consumers: int, pingpong: bool, module=fa3, overlap: 
                       HAS_WK=wk > 0, SINK_MODE=sink_mode, PINGPONG=pingpong,
                       CONSUMER_REGS=regs[1])
     if overlap or "OVERLAP" in kernel_params(module._window_fa3_kernel):  # not in older copies
-        constexprs["OVERLAP"] = overlap
+        constexprs["OVERLAP"] = module.OVERLAP_MODES[overlap]
     kernel = module._window_fa3_kernel
     types = {"q_desc": _desc_type([T, gp, 64]), "k_desc": _desc_type([16, 1, 64]),
              "v_desc": _desc_type([16, 1, 64]), "O": "*bf16", "Sinks": "*fp32",
@@ -88,8 +89,10 @@ def main(argv=None):
     ap.add_argument("--case", choices=sorted(CASES), default="mimo")
     ap.add_argument("--consumers", type=int, default=fa3.CONSUMERS)
     ap.add_argument("--pingpong", action="store_true")
-    ap.add_argument("--overlap", action="store_true",
-                    help="the next tile's Q · Kᵀ in flight during this one's softmax")
+    ap.add_argument("--overlap", nargs="?", const="pairs", default=False,
+                    choices=["pairs", "tiles"],
+                    help="the next tile's Q · Kᵀ in flight during this one's softmax: a loop of "
+                         "tile pairs (the default) or of single tiles")
     ap.add_argument("--ptx", help="also write the PTX here")
     ap.add_argument("--ttgir", help="also write the TTGIR here")
     ap.add_argument("--sass", help="also write the SASS here")
@@ -104,8 +107,8 @@ def main(argv=None):
                 f.write(compiled.asm[key])
     setmaxnreg = sorted(set(re.findall(r"USETMAXREG\S*\s+[^;]*", sass)))
     print(f"triton {triton.__version__} {args.case} consumers={args.consumers} "
-          f"pingpong={args.pingpong} overlap={args.overlap}: {res.get('reg')} registers, {res.get('stack', 0)} B stack "
-          f"(spills), {compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions")
+          f"pingpong={args.pingpong} overlap={args.overlap}: {res.get('reg')} registers, "
+          f"{res.get('stack', 0)} B stack (spills), {compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions")
     print("  setmaxnreg: " + ("; ".join(setmaxnreg) or "none"))
     print("  " + wgmma_waits(compiled.asm["ptx"], sass))
     print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(18)))

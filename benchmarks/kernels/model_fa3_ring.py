@@ -9,12 +9,13 @@ block ranges restarting at the program's first block on every tile, as Gluon on 
 compiled the loop-carried version (kernel log, run 14), it fails as the kernel did on the device:
 "over-arrival" from the producer's ranges, a deadlock from the consumers'.
 
-With ``overlap`` (the kernel's OVERLAP: a consumer issues its next tile's Q · Kᵀ before this tile's
-softmax) a consumer waits for its next tile's blocks and queries while it still holds this tile's
-band, and releases this tile's blocks only after its P · V; the model checks that the producer can
-always load that next band (the ring holds both consumers' current bands and the next one), and
-that every block a consumer reads, the next band's keys while their wgmmas are in flight too, is
-still in its slot. ``pingpong`` adds the softmax turns (one mbarrier per consumer, passed round).
+With ``overlap`` ("pairs" or "tiles", the kernel's OVERLAP modes: a consumer issues its next
+tile's Q · Kᵀ before this tile's softmax) a consumer waits for its next tile's blocks and queries
+while it still holds this tile's band, and releases this tile's blocks only after its P · V; the
+model checks that the producer can always load that next band (the ring holds both consumers'
+current bands and the next one), and that every block and query buffer a consumer reads, the next
+tile's while its wgmmas are in flight too, is still the one it waited for. ``pingpong`` adds the
+softmax turns (one mbarrier per consumer, passed round).
 
     python3 benchmarks/kernels/model_fa3_ring.py     # one "ok" line per case
 """
@@ -66,7 +67,7 @@ def run(seq_len, t_begin, t_end, NC=2, T=16, window_q=64, NB=9, NS=16, seed=0, o
     q_ready = [Barrier(1) for _ in range(2 * NC)]
     q_free = [Barrier(1) for _ in range(2 * NC)]
     turn = [Barrier(1) for _ in range(NC)]
-    slot_block, in_flight = [None] * NS, []
+    slot_block, q_tile, in_flight = [None] * NS, [None] * (2 * NC), []
 
     def producer():
         for t in range(t_begin, t_end):
@@ -92,7 +93,9 @@ def run(seq_len, t_begin, t_end, NC=2, T=16, window_q=64, NB=9, NS=16, seed=0, o
         b0 = band_start(t, T, window_q, off)
         return b0, min(b0 + NB, nblocks)
 
-    def check(C, t, why):  # the blocks of tile t's band a wgmma reads are in their slots
+    def check(C, t, why, queries=True):  # what a wgmma of tile t reads is in place
+        qi = C * 2 + ((t - t_begin - C) // NC) % 2
+        assert not queries or q_tile[qi] == t, ("stale queries", why, C, t, q_tile[qi])
         b0, hi = band(t)
         for kb in range(max(b0, first_kb), hi):
             assert slot_block[kb % NS] == kb, ("stale slot", why, C, t, kb, slot_block[kb % NS])
@@ -112,11 +115,14 @@ def run(seq_len, t_begin, t_end, NC=2, T=16, window_q=64, NB=9, NS=16, seed=0, o
             else:
                 while not turn[C].passes(i & 1):
                     yield
-        for x in (t, ) + in_flight_tiles:
-            check(C, x, "P·V" if x == t else "Q·K in flight")
+        # The Q · Kᵀ in flight (queries from shared memory, the dropped one over this tile's own
+        # freed buffer too) reads until P · V's wait; P · V reads the blocks only.
+        for x in in_flight_tiles:
+            check(C, x, "Q·K in flight")
         yield
-        for x in (t, ) + in_flight_tiles:
-            check(C, x, "P·V" if x == t else "Q·K in flight")
+        check(C, t, "P·V", queries=False)
+        for x in in_flight_tiles:
+            check(C, x, "Q·K in flight")
         if pingpong:
             turn[(C + 1) % NC].arrive()
         b0 = band_start(t, T, window_q, off)
@@ -125,40 +131,45 @@ def run(seq_len, t_begin, t_end, NC=2, T=16, window_q=64, NB=9, NS=16, seed=0, o
         for kb in range(rel_lo, rel_hi):
             kv_free[kb % NS].arrive()
 
+    def plain_tile(C, i):
+        t = t_begin + C + i * NC
+        qi = C * 2 + i % 2
+        b0, hi = band(t)
+        lo = first_kb
+        if i > 0:
+            lo = max(first_kb, min(band_start(t - NC, T, window_q, off) + NB, nblocks))
+        yield from wait_blocks(lo, hi)
+        while not q_ready[qi].passes((i // 2) & 1):
+            yield
+        check(C, t, "Q·K")
+        yield
+        q_free[qi].arrive()
+        yield
+        yield from softmax_turn(C, i, t)
+
     def consumer(C):
         n_tiles = max(0, -(-(t_end - t_begin - C) // NC))
         for i in range(n_tiles):
-            t = t_begin + C + i * NC
-            qi = C * 2 + i % 2
-            b0, hi = band(t)
-            lo = first_kb
-            if i > 0:
-                lo = max(first_kb, min(band_start(t - NC, T, window_q, off) + NB, nblocks))
-            yield from wait_blocks(lo, hi)
-            while not q_ready[qi].passes((i // 2) & 1):
-                yield
-            check(C, t, "Q·K")
-            yield
-            q_free[qi].arrive()
-            yield
-            yield from softmax_turn(C, i, t)
+            yield from plain_tile(C, i)
 
     def consumer_overlap(C):
-        """The OVERLAP kernel's order: tile 0's Q · Kᵀ before the loop; in iteration i, wait for
-        tile i + 1's blocks and queries and issue its Q · Kᵀ (the last tile issues its own band
-        again: nothing new to wait for), then tile i's queries are free, then its softmax."""
+        """The OVERLAP kernel's order: tile 0's Q · Kᵀ before the loop; tile i waits for tile
+        i + 1's blocks and queries and issues its Q · Kᵀ (the last overlapped tile issues its own
+        band again: nothing new to wait for), then tile i's queries are free, then its softmax.
+        "pairs": an odd count's last tile runs in the plain order; "tiles": every tile overlaps."""
         n_tiles = max(0, -(-(t_end - t_begin - C) // NC))
-        if n_tiles > 0:
+        paired = 2 * (n_tiles // 2) if overlap == "pairs" else n_tiles
+        if paired:
             t = t_begin + C
             yield from wait_blocks(first_kb, band(t)[1])
             while not q_ready[C * 2].passes(0):
                 yield
             check(C, t, "Q·K")
-        for i in range(n_tiles):
+        for i in range(paired):
             t = t_begin + C + i * NC
             qi = C * 2 + i % 2
-            nxt = t + NC if i + 1 < n_tiles else t
-            if i + 1 < n_tiles:
+            nxt = t + NC if i + 1 < paired else t
+            if i + 1 < paired:
                 yield from wait_blocks(max(first_kb, band(t)[1]), band(nxt)[1])
                 while not q_ready[C * 2 + (i + 1) % 2].passes(((i + 1) // 2) & 1):
                     yield
@@ -167,6 +178,8 @@ def run(seq_len, t_begin, t_end, NC=2, T=16, window_q=64, NB=9, NS=16, seed=0, o
             q_free[qi].arrive()
             yield
             yield from softmax_turn(C, i, t, nxt)
+        if paired < n_tiles:
+            yield from plain_tile(C, paired)
 
     rng = random.Random(seed)
     procs = [producer()] + [(consumer_overlap if overlap else consumer)(c) for c in range(NC)]
@@ -180,6 +193,7 @@ def run(seq_len, t_begin, t_end, NC=2, T=16, window_q=64, NB=9, NS=16, seed=0, o
                 slot_block[s] = x
                 kv_ready[s].land(4096)
             else:
+                q_tile[s] = x
                 q_ready[s].land(8192)
             continue
         p = rng.choice(sorted(alive))
@@ -196,7 +210,7 @@ CASES = [(64, 0, 4), (256, 0, 16), (4096, 0, 256), (700, 3, 30), (16384, 100, 35
 
 def main():
     for window_q in (64, 127):  # MiMo's band, GPT-OSS's causal one (both 9 blocks)
-        for overlap in (False, True):
+        for overlap in (False, "pairs", "tiles"):
             for pingpong in (False, True):
                 for seq_len, t_begin, t_end in CASES:
                     for NC in (2, 3):

@@ -104,7 +104,11 @@ def test_same_bits_however_the_sequences_are_cut(pattern, variant):
 OVERLAP = [pytest.param(torch.bfloat16, dict(overlap=True), id="bfloat16-overlap"),
            pytest.param(torch.float16, dict(overlap=True), id="float16-overlap"),
            pytest.param(torch.bfloat16, dict(overlap=True, pingpong=True),
-                        id="bfloat16-overlap-pingpong")]
+                        id="bfloat16-overlap-pingpong"),
+           pytest.param(torch.bfloat16, dict(overlap="tiles"), id="bfloat16-overlap-tiles")]
+CUT_VARIANTS = [pytest.param(dict(overlap=True), id="2wg-overlap"),
+                pytest.param(dict(overlap=True, pingpong=True), id="2wg-overlap-pingpong"),
+                pytest.param(dict(overlap="tiles"), id="2wg-overlap-tiles")]
 CUTS = ((max(LENS), 1), (max(LENS), 2), (max(LENS), 3), (max(LENS), 7), (max(LENS), None),
         (max(LENS), 10**6), (64, None), (1, 1), (200, 2))
 
@@ -126,13 +130,14 @@ def test_overlap_against_reference(pattern, sink_mode, dtype, variant):
     _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, f"fa3 {variant}")
 
 
-@pytest.mark.parametrize("variant", [dict(overlap=True), dict(overlap=True, pingpong=True)],
-                         ids=["2wg-overlap", "2wg-overlap-pingpong"])
+@pytest.mark.parametrize("variant", CUT_VARIANTS)
 @pytest.mark.parametrize("pattern", ["mimo-window", "gptoss-causal-window"])
 def test_overlap_however_the_sequences_are_cut(pattern, variant):
     """Against the reference under every cutting: programs of one tile (the second warpgroup
-    has none: it issues its prologue's Q · Kᵀ over stale buffers and drops it), odd and even
-    tile counts (the last tile re-issues its own band), rings that wrap many times."""
+    has none, the first no pair: each issues its prologue's Q · Kᵀ over whatever its buffers
+    hold and drops it), odd and even tile counts per warpgroup (the pairs' last tile re-issues
+    its own band; an odd count's last tile runs unpaired; in "tiles", the last tile does),
+    rings that wrap many times."""
     q, k, v, sinks, b_start, b_len = _packed(LENS, 64, 8, 64, torch.bfloat16, gaps=1, seed=22)
     kwargs = _args("key0" if pattern == "mimo-window" else "null", pattern, sinks)
     for max_len, chunk in CUTS:
@@ -140,15 +145,18 @@ def test_overlap_however_the_sequences_are_cut(pattern, variant):
         _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, f"{variant} {max_len} {chunk}")
 
 
+@pytest.mark.parametrize("overlap", [True, "tiles"], ids=["pairs", "tiles"])
 @pytest.mark.parametrize("pattern", ["mimo-window", "gptoss-causal-window"])
-def test_overlap_same_bits_as_without(pattern):
+def test_overlap_same_bits_as_without(pattern, overlap):
     """The overlap moves when each tile's Q · Kᵀ is issued, not what it computes: the same
-    wgmmas on the same slots, so the same bits as the kernel without it, however cut."""
+    wgmmas on the same slots (the queries read from shared memory instead of registers, the
+    same products), so the same bits as the kernel without it, however cut."""
     q, k, v, sinks, b_start, b_len = _packed(LENS, 64, 8, 64, torch.bfloat16, gaps=1, seed=22)
     kwargs = _args("key0" if pattern == "mimo-window" else "null", pattern, sinks)
     for max_len, chunk in CUTS:
         plain, rows = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max_len, chunk)
-        o, _ = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max_len, chunk, overlap=True)
+        o, _ = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max_len, chunk,
+                    overlap=overlap)
         assert torch.equal(o[rows], plain[rows]), (max_len, chunk)
 
 

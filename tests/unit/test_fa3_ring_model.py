@@ -1,5 +1,5 @@
-"""The Python model of the FA3-structured kernel's ring protocol (benchmarks/kernels/model_fa3_ring.py)
-passes every case, with and without the consumers' overlap and the softmax ping-pong, at the
+"""The Python model of the FA3-structured kernel's ring protocol
+(benchmarks/kernels/model_fa3_ring.py) passes every case, with and without the consumers' overlap and the softmax ping-pong, at the
 kernel's ring size; and it does catch a ring too small for the overlap (so "ok" means something)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ NB = 9
 NS = NB + 3 + 4  # gluon_window_attention_fa3: NB + 3 + EXTRA_SLOTS (not imported: it needs Triton)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("overlap", [False, "pairs", "tiles"])
 @pytest.mark.parametrize("pingpong", [False, True], ids=["", "pingpong"])
 @pytest.mark.parametrize("nc", [2, 3])
 @pytest.mark.parametrize("window_q", [64, 127])
@@ -35,5 +35,5 @@ def test_overlap_needs_more_ring_than_plain():
     model.run(4096, 0, 256, NC=2, NB=NB, NS=NB + 1)
     with pytest.raises((AssertionError, RuntimeError)):
         for seed in range(3):
-            model.run(4096, 0, 256, NC=2, NB=NB, NS=NB + 1, seed=seed, overlap=True)
-    model.run(4096, 0, 256, NC=2, NB=NB, NS=NB + 3, overlap=True)
+            model.run(4096, 0, 256, NC=2, NB=NB, NS=NB + 1, seed=seed, overlap="pairs")
+    model.run(4096, 0, 256, NC=2, NB=NB, NS=NB + 3, overlap="pairs")
