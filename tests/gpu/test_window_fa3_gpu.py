@@ -68,6 +68,13 @@ def _run(launch_cls, q, k, v, b_start, b_len, kwargs, max_len, chunk=None, **pla
 PATTERNS = ["mimo-window", "gptoss-causal-window", "window-32", "causal-window-64"]
 
 
+def _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, what):
+    ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **kwargs)
+    base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **kwargs)
+    err = relative_l2(o[rows], ref[rows])
+    assert err <= 2.0 * base, f"{what}: error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("sink_mode", ["key0", "null", "none"])
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -75,10 +82,7 @@ def test_against_reference_and_committed_walk(pattern, sink_mode, dtype):
     q, k, v, sinks, b_start, b_len = _packed(LENS, 32, 8, 64, dtype, gaps=3, seed=21)
     kwargs = _args(sink_mode, pattern, sinks)
     o, rows = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max(LENS))
-    ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **kwargs)
-    base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **kwargs)
-    err = relative_l2(o[rows], ref[rows])
-    assert err <= 2.0 * base, f"fa3 walk error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
+    _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, "fa3 walk")
     committed, _ = _run(WalkLaunch, q, k, v, b_start, b_len, kwargs, max(LENS))
     assert torch.equal(o[rows], committed[rows])
 
@@ -111,13 +115,6 @@ CUT_VARIANTS = [pytest.param(dict(overlap=True), id="2wg-overlap"),
                 pytest.param(dict(overlap="tiles"), id="2wg-overlap-tiles")]
 CUTS = ((max(LENS), 1), (max(LENS), 2), (max(LENS), 3), (max(LENS), 7), (max(LENS), None),
         (max(LENS), 10**6), (64, None), (1, 1), (200, 2))
-
-
-def _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, what):
-    ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **kwargs)
-    base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **kwargs)
-    err = relative_l2(o[rows], ref[rows])
-    assert err <= 2.0 * base, f"{what}: error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
 
 
 @pytest.mark.parametrize("dtype, variant", OVERLAP)
@@ -188,6 +185,8 @@ def test_plan_declines_what_tma_cannot_load():
     assert Fa3WalkLaunch.plan(p, q, k, v, o, b_start, b_len, sinks) is not None
     assert Fa3WalkLaunch.plan(p, q, k, v, o, b_start, b_len, sinks, gp=8) is None
     assert Fa3WalkLaunch.plan(p, q, k, v, o, b_start, b_len, sinks, overlap=True) is not None
+    assert Fa3WalkLaunch.plan(p, q, k, v, o, b_start, b_len, sinks, consumers=3,
+                              overlap=True) is None  # two score sets do not fit 160 registers
     odd = torch.empty(256, 64, 67, dtype=torch.bfloat16, device="cuda")[:, :, :64]
     odd.copy_(q)
     p2 = _problem(odd, k, v, o, b_start, b_len, 256, kwargs)
