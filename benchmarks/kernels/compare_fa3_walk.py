@@ -5,7 +5,9 @@ vLLM's FlashAttention-3 and upstream vLLM's op, in one process, on the same inpu
         [--peers .gpu/peers] [--passes 2]
 
 The walks (committed; FA3 structure with 2 consumer warpgroups, with the softmax ping-pong, with 3
-consumers) are checked against the fp32 reference and timed ``passes`` times interleaved
+consumers, with the consumers' Q · Kᵀ / softmax overlap over tile pairs, alone and with the
+ping-pong, and over single tiles; ``--only`` picks, e.g. ``--only committed,fa3,fa3-overlap``)
+are checked against the fp32 reference and timed ``passes`` times interleaved
 (``compare_walk_variants.time_walks``); the peers are timed as ``benchmark_prefill_attention``
 times them. Ratios are the peer's time over ours.
 """
@@ -37,6 +39,11 @@ PLANNERS = {
     "fa3": gluon_window_attention_fa3.Fa3WalkLaunch.plan,
     "fa3-pingpong": functools.partial(gluon_window_attention_fa3.Fa3WalkLaunch.plan, pingpong=True),
     "fa3-3wg": functools.partial(gluon_window_attention_fa3.Fa3WalkLaunch.plan, consumers=3),
+    "fa3-overlap": functools.partial(gluon_window_attention_fa3.Fa3WalkLaunch.plan, overlap=True),
+    "fa3-overlap-pingpong": functools.partial(gluon_window_attention_fa3.Fa3WalkLaunch.plan,
+                                              overlap=True, pingpong=True),
+    "fa3-overlap-tiles": functools.partial(gluon_window_attention_fa3.Fa3WalkLaunch.plan,
+                                           overlap="tiles"),
 }
 
 

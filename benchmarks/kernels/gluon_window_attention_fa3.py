@@ -15,7 +15,14 @@ moves the data and how the warps are organised, FlashAttention-3's way:
   lowers to ``setmaxnreg``;
 - ``PINGPONG`` (a constexpr, off by default): the consumers take turns through the softmax (an
   mbarrier token passed round), so one warpgroup's exponentials overlap the other's wgmmas, as
-  FlashAttention-3 schedules them.
+  FlashAttention-3 schedules them;
+- ``OVERLAP`` (a constexpr, off by default; 2 consumers only: with 3 the second band of scores
+  spills): FlashAttention-3's overlap inside a warpgroup. Each consumer issues its next tile's
+  Q · Kᵀ (queries read from shared memory) before this tile's mask, max and P · V, and waits only
+  for this tile's wgmma groups, so the tensor cores compute the next scores while the softmax
+  runs. Tiles go in pairs (two sets of score registers, none copied round the loop; an odd count's
+  last tile is not overlapped), or with ``OVERLAP_TILES`` one by one (the set carried round the
+  loop is copied each tile). The first tile's Q · Kᵀ is not overlapped.
 
 Ring protocol. Block ``kb`` of the sequence lives in slot ``kb % NS``; a program loads the blocks
 ``first_kb …`` in order, so the n-th load of a slot is ``(kb - first_kb) // NS`` and its parity is
@@ -33,9 +40,10 @@ masked stores (a TMA store would write past a sequence's end).
 Needs 16-byte-aligned strides and base pointers (TMA); ``plan`` declines other calls, and 16-token
 tiles (``gp`` 4: a band gains exactly one block per tile).
 
-Status (docs/notes/prefill-kernel-log.md, run 14): compiles for sm_90a under Triton 3.7.1, 3.8.0 and
-3.9.0; not yet timed, and not wired into the op (``triton_prefill_attention``): it replaces the walk
-only once it beats it on MiMo's and GPT-OSS's shapes in one run (``compare_fa3_walk.py``).
+Status (docs/notes/prefill-kernel-log.md, runs 14, 15, 17): compiles for sm_90a under Triton 3.7.1,
+3.8.0 and 3.9.0; timed in run 15 (slower than the walk; OVERLAP not yet timed), not wired into
+the op (``triton_prefill_attention``): it replaces the walk only once it beats it on MiMo's and
+GPT-OSS's shapes in one run (``compare_fa3_walk.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
 from vllm_sinks.v1.attention.ops.gluon_api import TMA_IMPORT_ERROR as GLUON_IMPORT_ERROR
 from vllm_sinks.v1.attention.ops.gluon_api import (TensorDescriptor, cta_barrier,
                                                    fence_async_shared, gl, gluon, mbarrier,
-                                                   reinterpret, tma_load)
+                                                   reinterpret, tma_load, warpgroup_mma_wait)
 
 if GLUON_IMPORT_ERROR is not None:
     gluon = None
@@ -86,6 +94,16 @@ _PARTITION_REGS = {2: (168, 240, 24), 3: (128, 160, 24)}
 #: start at even slots): how much further ahead the producer may load. One program per SM has
 #: shared memory to spare.
 EXTRA_SLOTS = 4
+#: Consumer counts the OVERLAP variants compile for (two bands of scores per warpgroup: with three
+#: consumers at 160 registers they spill, run 17).
+OVERLAP_CONSUMERS = (2, )
+#: OVERLAP's values (a constexpr): off, a loop of single tiles, a loop of tile pairs. ``plan`` takes
+#: ``overlap=True`` (pairs) or ``"tiles"``.
+OVERLAP_OFF, OVERLAP_TILES, OVERLAP_PAIRS = 0, 1, 2
+OVERLAP_MODES = {False: OVERLAP_OFF, "tiles": OVERLAP_TILES, True: OVERLAP_PAIRS,
+                 "pairs": OVERLAP_PAIRS}
+OVERLAP_TILES_C = triton.language.constexpr(OVERLAP_TILES)
+OVERLAP_PAIRS_C = triton.language.constexpr(OVERLAP_PAIRS)
 
 
 if gluon is not None:
@@ -130,13 +148,88 @@ if gluon is not None:
             tma_load(q_desc, [seq_row + t * T, q_col, 0], q_ready.index(qi), q_bufs.index(qi))
 
     @gluon.jit
+    def _tile_output(scores, C: gl.constexpr, i, t, b0, s0, odd, buffers, scalars, rows, sink_raw,
+                     m_floor, nblocks, first_kb, o_seq, o_off, io_cols, row_tokens,
+                     T: gl.constexpr, GP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr,
+                     NC: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr,
+                     SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr):
+        """Tile ``t`` (this warpgroup's ``i``-th) from its band's scores on: the committed walk's
+        mask, max and P · V, the release of the blocks before the warpgroup's next band, the
+        normalisation and the store."""
+        q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn = buffers
+        (O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale, inv_scale,
+         window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink) = scalars
+        D: gl.constexpr = 64
+        M: gl.constexpr = T * GP
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 8, 16])
+        io_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                   warps_per_cta=[4, 1], order=[1, 0])
+        row_layout: gl.constexpr = rows.type.layout
+        if PINGPONG:
+            # Consumer 0 takes the first turn without waiting; from then on its turn comes
+            # from consumer NC - 1 of the round before.
+            if C == 0:
+                mbarrier.wait(turn.index(0), (i - 1) & 1, pred=i > 0)
+            else:
+                mbarrier.wait(turn.index(C), i & 1)
+        pos = t * T + rows // GP
+        row_lo = gl.maximum(pos - window_q, 0)
+        if IS_CAUSAL:
+            row_hi = pos
+            if HAS_WK:
+                row_hi = gl.minimum(row_hi, pos + window_k)
+        else:
+            row_hi = pos + window_k
+        row_hi = gl.minimum(row_hi, seq_len - 1)
+        edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
+        scores = _mask_band(scores, b0 * BLOCK_KEYS_C, odd, row_lo, row_hi, sink_raw, edge,
+                            NB, SINK_MODE == KEY0_BIAS_C, -1)
+        m = _band_max(scores, m_floor, NB, row_layout)
+        mc = m * qk_scale
+        acc, l_acc = _band_pv(scores, mc, qk_scale, ring_v, ones, s0, odd, M, D, NB, NS,
+                              o_layout, l_layout)
+        if PINGPONG:
+            # The next consumer's turn starts once this one's exponentials are issued. Round
+            # robin gives consumer C - 1 at least as many tiles as C, and consumer NC - 1 at
+            # least one fewer than 0 (whose first turn is not waited for): every turn
+            # waited for comes, each barrier's phases complete in order, none is skipped.
+            mbarrier.arrive(turn.index((C + 1) % NC), count=1)
+        # Blocks before this warpgroup's next band are done with (its wgmmas have completed),
+        # from where its previous tile's release stopped (from first_kb on its first tile).
+        rel_lo = first_kb
+        if i > 0:
+            rel_lo = gl.maximum(first_kb, gl.minimum(b0, nblocks))
+        rel_hi = gl.minimum(_band_start(t + NC, T, window_q, band_offset), nblocks)
+        for kb in range(rel_lo, rel_hi):
+            mbarrier.arrive(kv_free.index(kb % NS), count=1)
+        l = gl.convert_layout(gl.max(l_acc, 1), row_layout, assert_trivial=True)
+        if SINK_MODE == NULL_LOGIT_C:
+            l += gl.exp2(sink_raw * qk_scale - mc)
+        r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [l],
+                                      dtype=gl.float32, is_pure=True, pack=1)
+        inv_l = gl.convert_layout(r, gl.SliceLayout(1, o_layout), assert_trivial=True)
+        out = gl.convert_layout((acc * gl.expand_dims(inv_l, 1)).to(O.dtype.element_ty),
+                                io_layout)
+        o_ptr = o_seq + (t * T).to(gl.int64) * stride_ot + (gl.expand_dims(o_off, 1) + io_cols)
+        gl.store(o_ptr, out, mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
+
+    @gluon.jit
     def _consumer(C: gl.constexpr, buffers, scalars, T: gl.constexpr, GP: gl.constexpr,
                   NB: gl.constexpr, NS: gl.constexpr, NC: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr):
+                  HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr,
+                  OVERLAP: gl.constexpr):
         """One warpgroup: tiles ``t_begin + C``, ``+ NC``, … of the program, each the committed
         walk's exact band softmax. ``buffers`` and ``scalars``: the kernel's shared memory and
         the program's runtime values, as the kernel packs them (one tuple each, so that every
-        partition's argument list stays short; constexprs stay separate literals)."""
+        partition's argument list stays short; constexprs stay separate literals).
+
+        OVERLAP (FlashAttention-3's intra-warpgroup overlap): tile i's Q · Kᵀ was issued in the
+        iteration before; iteration i waits for tile i + 1's blocks and queries, issues its
+        Q · Kᵀ, waits for tile i's scores only (its groups stay in flight), and runs tile i's
+        softmax and P · V while the tensor cores compute tile i + 1's scores."""
         q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn = buffers
         (O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale, inv_scale,
          window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink) = scalars
@@ -144,10 +237,6 @@ if gluon is not None:
         M: gl.constexpr = T * GP
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 16, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 8, 16])
         io_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                    warps_per_cta=[4, 1], order=[1, 0])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -173,84 +262,164 @@ if gluon is not None:
         o_seq = O + seq_start64 * stride_ot
 
         n_tiles = (t_end - t_begin - C + NC - 1) // NC
-        for i in range(0, n_tiles):
-            t = t_begin + C + i * NC
-            qi = C * 2 + i % 2
+        if OVERLAP:
+            gl.static_assert(NC == 2, "OVERLAP: two consumer warpgroups (three spill, run 17)")
+            # OVERLAP_PAIRS: tiles in pairs, the loop unrolled by two: tile 2j's scores in one
+            # set of registers, tile 2j + 1's in another, so the set carried round the loop is
+            # the one the second half's wgmmas wrote. OVERLAP_TILES: one tile per iteration;
+            # the set carried is copied at the back edge (72 moves per tile, run 17).
+            n_pairs = n_tiles // 2
+            if OVERLAP == OVERLAP_PAIRS_C:
+                n_overlapped = 2 * n_pairs
+            else:
+                n_overlapped = n_tiles
+            # Prologue: tile 0's band, waited for at once. In flight into the loop, ptxas
+            # serialises every wgmma of the kernel (C7514: it does not follow groups that cross
+            # the loop's entry), so the first tile's Q · Kᵀ is not overlapped. A warpgroup
+            # with no tile to overlap waits for no barrier and issues it anyway over whatever
+            # its buffers hold (no branch around a wgmma, DEVELOPERS.md run 13); the results
+            # are dropped.
+            t = t_begin + C
             b0 = _band_start(t, T, window_q, band_offset)
             hi = gl.minimum(b0 + NB, nblocks)
-            # The blocks this warpgroup has not waited for: from where its previous tile's band
-            # ended (not carried through the loop: see _producer).
-            lo = first_kb
-            if i > 0:
-                lo = gl.maximum(first_kb, gl.minimum(
-                    _band_start(t - NC, T, window_q, band_offset) + NB, nblocks))
-            for kb in range(lo, hi):
+            if n_overlapped <= 0:
+                hi = first_kb
+            for kb in range(first_kb, hi):
                 mbarrier.wait(kv_ready.index(kb % NS), ((kb - first_kb) // NS) & 1)
-            mbarrier.wait(q_ready.index(qi), (i // 2) & 1)
+            mbarrier.wait(q_ready.index(C * 2), 0, pred=n_overlapped > 0)
             s0 = (b0 + NS) % NS
-            odd = s0 % 2
-            pending = _band_scores(q_bufs.index(qi), ring_k, s0, odd, M, NB, NS, s_layout)
-            scores = _finish_scores(pending, NB, s_layout)
-            # The QK wgmmas read every warp's Q registers: the buffer is free. The fence orders
-            # this warpgroup's reads of it (ldmatrix, generic proxy) before the producer's next
-            # TMA write (async proxy).
-            fence_async_shared()
-            mbarrier.arrive(q_free.index(qi), count=1)
-            if PINGPONG:
-                # Consumer 0 takes the first turn without waiting; from then on its turn comes
-                # from consumer NC - 1 of the round before.
-                if C == 0:
-                    mbarrier.wait(turn.index(0), (i - 1) & 1, pred=i > 0)
-                else:
-                    mbarrier.wait(turn.index(C), i & 1)
-            pos = t * T + rows // GP
-            row_lo = gl.maximum(pos - window_q, 0)
-            if IS_CAUSAL:
-                row_hi = pos
-                if HAS_WK:
-                    row_hi = gl.minimum(row_hi, pos + window_k)
+            pending = _band_scores(q_bufs.index(C * 2), ring_k, s0, s0 % 2, M, NB, NS, s_layout,
+                                   True)
+            pending = warpgroup_mma_wait(0, deps=pending)
+            if OVERLAP == OVERLAP_PAIRS_C:
+                for j in range(0, n_pairs):
+                    odd_scores = _overlap_tile(pending, 2 * j, True, C, buffers, scalars, rows,
+                                               sink_raw, m_floor, nblocks, first_kb, o_seq,
+                                               o_off, io_cols, row_tokens, T, GP, NB, NS, NC,
+                                               IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+                    pending = _overlap_tile(odd_scores, 2 * j + 1, j + 1 < n_pairs, C, buffers,
+                                            scalars, rows, sink_raw, m_floor, nblocks, first_kb,
+                                            o_seq, o_off, io_cols, row_tokens, T, GP, NB, NS, NC,
+                                            IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+                # An odd count's last tile, not overlapped (a Q · Kᵀ issued for it in the loop
+                # would be in flight across the loop's exit: see the prologue).
+                if n_tiles % 2 == 1:
+                    _plain_tile(n_tiles - 1, C, buffers, scalars, rows, sink_raw, m_floor,
+                                nblocks, first_kb, o_seq, o_off, io_cols, row_tokens, T, GP, NB,
+                                NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
             else:
-                row_hi = pos + window_k
-            row_hi = gl.minimum(row_hi, seq_len - 1)
-            edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
-            scores = _mask_band(scores, b0 * BLOCK_KEYS_C, odd, row_lo, row_hi, sink_raw, edge,
-                                NB, SINK_MODE == KEY0_BIAS_C, -1)
-            m = _band_max(scores, m_floor, NB, row_layout)
-            mc = m * qk_scale
-            acc, l_acc = _band_pv(scores, mc, qk_scale, ring_v, ones, s0, odd, M, D, NB, NS,
-                                  o_layout, l_layout)
-            if PINGPONG:
-                # The next consumer's turn starts once this one's exponentials are issued. Round
-                # robin gives consumer C - 1 at least as many tiles as C, and consumer NC - 1 at
-                # least one fewer than 0 (whose first turn is not waited for): every turn
-                # waited for comes, each barrier's phases complete in order, none is skipped.
-                mbarrier.arrive(turn.index((C + 1) % NC), count=1)
-            # Blocks before this warpgroup's next band are done with (its wgmmas have completed),
-            # from where its previous tile's release stopped (from first_kb on its first tile).
-            rel_lo = first_kb
-            if i > 0:
-                rel_lo = gl.maximum(first_kb, gl.minimum(b0, nblocks))
-            rel_hi = gl.minimum(_band_start(t + NC, T, window_q, band_offset), nblocks)
-            for kb in range(rel_lo, rel_hi):
-                mbarrier.arrive(kv_free.index(kb % NS), count=1)
-            l = gl.convert_layout(gl.max(l_acc, 1), row_layout, assert_trivial=True)
-            if SINK_MODE == NULL_LOGIT_C:
-                l += gl.exp2(sink_raw * qk_scale - mc)
-            r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [l],
-                                          dtype=gl.float32, is_pure=True, pack=1)
-            inv_l = gl.convert_layout(r, gl.SliceLayout(1, o_layout), assert_trivial=True)
-            out = gl.convert_layout((acc * gl.expand_dims(inv_l, 1)).to(O.dtype.element_ty),
-                                    io_layout)
-            o_ptr = o_seq + (t * T).to(gl.int64) * stride_ot + (gl.expand_dims(o_off, 1) + io_cols)
-            gl.store(o_ptr, out, mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
+                gl.static_assert(OVERLAP == OVERLAP_TILES_C, "OVERLAP: 0, 1 (tiles), 2 (pairs)")
+                for i in range(0, n_tiles):
+                    pending = _overlap_tile(pending, i, i + 1 < n_tiles, C, buffers, scalars,
+                                            rows, sink_raw, m_floor, nblocks, first_kb, o_seq,
+                                            o_off, io_cols, row_tokens, T, GP, NB, NS, NC,
+                                            IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+        else:
+            for i in range(0, n_tiles):
+                _plain_tile(i, C, buffers, scalars, rows, sink_raw, m_floor, nblocks, first_kb,
+                            o_seq, o_off, io_cols, row_tokens, T, GP, NB, NS, NC, IS_CAUSAL,
+                            HAS_WK, SINK_MODE, PINGPONG)
+
+    @gluon.jit
+    def _plain_tile(i, C: gl.constexpr, buffers, scalars, rows, sink_raw, m_floor, nblocks,
+                    first_kb, o_seq, o_off, io_cols, row_tokens, T: gl.constexpr,
+                    GP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, NC: gl.constexpr,
+                    IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr,
+                    PINGPONG: gl.constexpr):
+        """This warpgroup's ``i``-th tile, start to end: wait for its blocks and queries, Q · Kᵀ,
+        wait for it, free the queries, the rest (``_tile_output``)."""
+        q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn = buffers
+        (O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale, inv_scale,
+         window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink) = scalars
+        M: gl.constexpr = T * GP
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 16, 16])
+        t = t_begin + C + i * NC
+        qi = C * 2 + i % 2
+        b0 = _band_start(t, T, window_q, band_offset)
+        hi = gl.minimum(b0 + NB, nblocks)
+        # The blocks this warpgroup has not waited for: from where its previous tile's band
+        # ended (not carried through the loop: see _producer).
+        lo = first_kb
+        if i > 0:
+            lo = gl.maximum(first_kb, gl.minimum(
+                _band_start(t - NC, T, window_q, band_offset) + NB, nblocks))
+        for kb in range(lo, hi):
+            mbarrier.wait(kv_ready.index(kb % NS), ((kb - first_kb) // NS) & 1)
+        mbarrier.wait(q_ready.index(qi), (i // 2) & 1)
+        s0 = (b0 + NS) % NS
+        odd = s0 % 2
+        pending = _band_scores(q_bufs.index(qi), ring_k, s0, odd, M, NB, NS, s_layout)
+        scores = _finish_scores(pending, NB, s_layout)
+        # The QK wgmmas read every warp's Q registers: the buffer is free. The fence orders
+        # this warpgroup's reads of it (ldmatrix, generic proxy) before the producer's next
+        # TMA write (async proxy).
+        fence_async_shared()
+        mbarrier.arrive(q_free.index(qi), count=1)
+        _tile_output(scores, C, i, t, b0, s0, odd, buffers, scalars, rows, sink_raw, m_floor,
+                     nblocks, first_kb, o_seq, o_off, io_cols, row_tokens, T, GP, NB, NS, NC,
+                     IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+
+    @gluon.jit
+    def _overlap_tile(pending, i, has_next, C: gl.constexpr, buffers, scalars, rows, sink_raw,
+                      m_floor, nblocks, first_kb, o_seq, o_off, io_cols, row_tokens,
+                      T: gl.constexpr, GP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr,
+                      NC: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr,
+                      SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr):
+        """This warpgroup's ``i``-th tile, whose Q · Kᵀ (``pending``) was issued before: wait for
+        the next tile's blocks and queries and issue its Q · Kᵀ (``has_next``; else this tile's
+        band again, over its own query buffer and blocks, which nothing else writes yet: the
+        results are dropped), wait for this tile's groups only, free its queries, the rest
+        (``_tile_output``). Returns the next tile's pending scores."""
+        q_bufs, ring_k, ring_v, ones, q_ready, q_free, kv_ready, kv_free, turn = buffers
+        (O, Sinks, seq_start64, seq_len, head_group, t_begin, t_end, qk_scale, inv_scale,
+         window_q, window_k, band_offset, stride_ot, stride_oh, stride_sink) = scalars
+        M: gl.constexpr = T * GP
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 16, 16])
+        # Groups _band_scores commits (one per wgmma): the next tile's, left in flight.
+        GROUPS: gl.constexpr = NB // 2 + 1
+        t = t_begin + C + i * NC
+        qi = C * 2 + i % 2
+        b0 = _band_start(t, T, window_q, band_offset)
+        s0 = (b0 + NS) % NS
+        odd = s0 % 2
+        # The next tile's blocks: from where this tile's band ends (computed from the tile
+        # index, not carried: see _producer). Its Q · Kᵀ reads only blocks from its own band's
+        # start on, which this warpgroup releases after that tile.
+        bn = _band_start(t + NC, T, window_q, band_offset)
+        lo_n = gl.maximum(first_kb, gl.minimum(b0 + NB, nblocks))
+        hi_n = gl.minimum(bn + NB, nblocks)
+        qn = C * 2 + (i + 1) % 2
+        sn = (bn + NS) % NS
+        if not has_next:
+            hi_n = lo_n
+            qn = qi
+            sn = s0
+        for kb in range(lo_n, hi_n):
+            mbarrier.wait(kv_ready.index(kb % NS), ((kb - first_kb) // NS) & 1)
+        mbarrier.wait(q_ready.index(qn), ((i + 1) // 2) & 1, pred=has_next)
+        nxt = _band_scores(q_bufs.index(qn), ring_k, sn, sn % 2, M, NB, NS, s_layout, True)
+        # This tile's groups were committed before the next tile's GROUPS: wait for them only.
+        # (P · V's wait for all groups, in _band_pv, completes the next tile's too: by then the
+        # tensor cores have long computed them. Nothing is in flight when this returns.)
+        scores = _finish_scores(pending, NB, s_layout, GROUPS)
+        # This tile's Q · Kᵀ has completed: its query buffer is free. (Its wgmmas read it from
+        # shared memory through the async proxy, as TMA writes it: no fence, unlike _plain_tile.)
+        mbarrier.arrive(q_free.index(qi), count=1)
+        _tile_output(scores, C, i, t, b0, s0, odd, buffers, scalars, rows, sink_raw, m_floor,
+                     nblocks, first_kb, o_seq, o_off, io_cols, row_tokens, T, GP, NB, NS, NC,
+                     IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+        return nxt
 
     @gluon.jit
     def _consumer_worker(buffers, scalars, C: gl.constexpr, T: gl.constexpr, GP: gl.constexpr,
                          NB: gl.constexpr, NS: gl.constexpr, NC: gl.constexpr,
                          IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr, SINK_MODE: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+                         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """A worker partition's consumer (workers take no tensors and no leading constexpr)."""
-        _consumer(C, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG)
+        _consumer(C, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE, PINGPONG,
+                  OVERLAP)
 
     @gluon.jit
     def _window_fa3_kernel(
@@ -259,7 +428,8 @@ if gluon is not None:
             stride_ot, stride_oh, stride_sink, stride_start, stride_len,
             T: gl.constexpr, GP: gl.constexpr, QUERIES_PER_KV: gl.constexpr, NB: gl.constexpr,
             NS: gl.constexpr, NC: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr,
-            SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+            SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+            CONSUMER_REGS: gl.constexpr):
         D: gl.constexpr = 64
         M: gl.constexpr = T * GP
         gl.static_assert(NB % 2 == 1, "walk_geometry gives odd bands only")
@@ -330,9 +500,9 @@ if gluon is not None:
         if NC == 2:
             gl.warp_specialize([
                 (_consumer, (0, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE,
-                             PINGPONG)),
+                             PINGPONG, OVERLAP)),
                 (_consumer_worker, (buffers, scalars, 1, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
-                                    SINK_MODE, PINGPONG)),
+                                    SINK_MODE, PINGPONG, OVERLAP)),
                 (_producer, (q_desc, k_desc, v_desc, q_tma, k_tma, v_tma, q_ready, q_free,
                              kv_ready, kv_free, seq_row, seq_len, head_group * GP, kv_head,
                              t_begin, t_end, window_q, band_offset, T, NB, NS, NC)),
@@ -341,11 +511,11 @@ if gluon is not None:
             gl.static_assert(NC == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
                 (_consumer, (0, buffers, scalars, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK, SINK_MODE,
-                             PINGPONG)),
+                             PINGPONG, OVERLAP)),
                 (_consumer_worker, (buffers, scalars, 1, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
-                                    SINK_MODE, PINGPONG)),
+                                    SINK_MODE, PINGPONG, OVERLAP)),
                 (_consumer_worker, (buffers, scalars, 2, T, GP, NB, NS, NC, IS_CAUSAL, HAS_WK,
-                                    SINK_MODE, PINGPONG)),
+                                    SINK_MODE, PINGPONG, OVERLAP)),
                 (_producer, (q_desc, k_desc, v_desc, q_tma, k_tma, v_tma, q_ready, q_free,
                              kv_ready, kv_free, seq_row, seq_len, head_group * GP, kv_head,
                              t_begin, t_end, window_q, band_offset, T, NB, NS, NC)),
@@ -384,17 +554,22 @@ class Fa3WalkLaunch:
 
     @classmethod
     def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks, gp: int | None = None,
-             consumers: int = CONSUMERS, pingpong: bool = False):
+             consumers: int = CONSUMERS, pingpong: bool = False, overlap: bool | str = False):
         """A launch when the call fits, else None: the committed walk's conditions, 16-token
-        tiles (``gp`` 4: a band gains one block per tile), and TMA-legal q, k, v."""
+        tiles (``gp`` 4: a band gains one block per tile), and TMA-legal q, k, v. ``overlap``
+        (the consumers' Q · Kᵀ of the next tile during this one's softmax: True or "pairs", or
+        "tiles", OVERLAP_MODES) only with OVERLAP_CONSUMERS warpgroups."""
+        overlap = OVERLAP_MODES[overlap]
+        if overlap and consumers not in OVERLAP_CONSUMERS:
+            return None
         if not p.host_bound or walk.walk_unavailable(p.device) is not None:
             return None
         if GLUON_IMPORT_ERROR is not None:
             return None
         if p.dtype not in (torch.float16, torch.bfloat16) or p.out_dtype != p.dtype:
             return None
-        if p.head_dim != HEAD_DIM or p.empty or p.num_seqs > MAX_GRID_YZ:
-            return None
+        if p.head_dim != HEAD_DIM or p.empty or p.num_seqs > MAX_GRID_YZ or p.cu_seqlens:
+            return None  # (cu_seqlens offsets: the committed walk's CU_SEQLENS is not built here)
         gp = ROWS // BLOCK_KEYS if gp is None else gp
         if gp != ROWS // BLOCK_KEYS or p.queries_per_kv % gp:
             return None
@@ -407,7 +582,7 @@ class Fa3WalkLaunch:
         constexprs = dict(T=geometry.tokens_per_tile, GP=gp, QUERIES_PER_KV=p.queries_per_kv,
                           NB=geometry.nb, NS=geometry.nb + 3 + EXTRA_SLOTS, NC=consumers,
                           IS_CAUSAL=p.is_causal, HAS_WK=p.window_k > 0, SINK_MODE=p.sink_mode,
-                          PINGPONG=pingpong, CONSUMER_REGS=regs[1])
+                          PINGPONG=pingpong, OVERLAP=overlap, CONSUMER_REGS=regs[1])
         options = launch_options(p.device, num_warps=4, maxnreg=regs[0])
         strides = (o.stride(0), o.stride(1), sinks.stride(0) if sinks is not None else 0,
                    b_start_loc.stride(0), b_seq_len.stride(0))

@@ -2,7 +2,9 @@
 directly: against the fp32 reference with the op's tolerance rule, bit for bit against the
 committed walk (the same per-tile math and the same slot pairs: both rings have an even number of
 slots, so a block's pair partner is the same), under every way of cutting sequences into programs,
-with 2 and 3 consumer warpgroups and the softmax ping-pong, on strided (fused-QKV) inputs."""
+with 2 and 3 consumer warpgroups and the softmax ping-pong, on strided (fused-QKV) inputs. The
+consumers' Q · Kᵀ / softmax overlap (``overlap=True``, 2 warpgroups) against the reference under
+every pattern, sink mode and cutting, and bit for bit against the same kernel without it."""
 
 from __future__ import annotations
 
@@ -66,6 +68,13 @@ def _run(launch_cls, q, k, v, b_start, b_len, kwargs, max_len, chunk=None, **pla
 PATTERNS = ["mimo-window", "gptoss-causal-window", "window-32", "causal-window-64"]
 
 
+def _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, what):
+    ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **kwargs)
+    base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **kwargs)
+    err = relative_l2(o[rows], ref[rows])
+    assert err <= 2.0 * base, f"{what}: error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("sink_mode", ["key0", "null", "none"])
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -73,10 +82,7 @@ def test_against_reference_and_committed_walk(pattern, sink_mode, dtype):
     q, k, v, sinks, b_start, b_len = _packed(LENS, 32, 8, 64, dtype, gaps=3, seed=21)
     kwargs = _args(sink_mode, pattern, sinks)
     o, rows = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max(LENS))
-    ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **kwargs)
-    base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **kwargs)
-    err = relative_l2(o[rows], ref[rows])
-    assert err <= 2.0 * base, f"fa3 walk error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
+    _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, "fa3 walk")
     committed, _ = _run(WalkLaunch, q, k, v, b_start, b_len, kwargs, max(LENS))
     assert torch.equal(o[rows], committed[rows])
 
@@ -96,6 +102,59 @@ def test_same_bits_however_the_sequences_are_cut(pattern, variant):
                            (max(LENS), None), (max(LENS), 10**6), (64, None), (1, 1), (200, 2)):
         o, _ = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max_len, chunk, **variant)
         assert torch.equal(o[rows], first[rows]), (max_len, chunk)
+
+
+#: The OVERLAP variants (2 consumer warpgroups only: the plan declines 3).
+OVERLAP = [pytest.param(torch.bfloat16, dict(overlap=True), id="bfloat16-overlap"),
+           pytest.param(torch.float16, dict(overlap=True), id="float16-overlap"),
+           pytest.param(torch.bfloat16, dict(overlap=True, pingpong=True),
+                        id="bfloat16-overlap-pingpong"),
+           pytest.param(torch.bfloat16, dict(overlap="tiles"), id="bfloat16-overlap-tiles")]
+CUT_VARIANTS = [pytest.param(dict(overlap=True), id="2wg-overlap"),
+                pytest.param(dict(overlap=True, pingpong=True), id="2wg-overlap-pingpong"),
+                pytest.param(dict(overlap="tiles"), id="2wg-overlap-tiles")]
+CUTS = ((max(LENS), 1), (max(LENS), 2), (max(LENS), 3), (max(LENS), 7), (max(LENS), None),
+        (max(LENS), 10**6), (64, None), (1, 1), (200, 2))
+
+
+@pytest.mark.parametrize("dtype, variant", OVERLAP)
+@pytest.mark.parametrize("sink_mode", ["key0", "null", "none"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_overlap_against_reference(pattern, sink_mode, dtype, variant):
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 32, 8, 64, dtype, gaps=3, seed=21)
+    kwargs = _args(sink_mode, pattern, sinks)
+    o, rows = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max(LENS), **variant)
+    _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, f"fa3 {variant}")
+
+
+@pytest.mark.parametrize("variant", CUT_VARIANTS)
+@pytest.mark.parametrize("pattern", ["mimo-window", "gptoss-causal-window"])
+def test_overlap_however_the_sequences_are_cut(pattern, variant):
+    """Against the reference under every cutting: programs of one tile (the second warpgroup
+    has none, the first no pair: each issues its prologue's Q · Kᵀ over whatever its buffers
+    hold and drops it), odd and even tile counts per warpgroup (the pairs' last tile re-issues
+    its own band; an odd count's last tile runs unpaired; in "tiles", the last tile does),
+    rings that wrap many times."""
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 64, 8, 64, torch.bfloat16, gaps=1, seed=22)
+    kwargs = _args("key0" if pattern == "mimo-window" else "null", pattern, sinks)
+    for max_len, chunk in CUTS:
+        o, rows = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max_len, chunk, **variant)
+        _reference_check(o, rows, q, k, v, b_start, b_len, kwargs, f"{variant} {max_len} {chunk}")
+
+
+@pytest.mark.parametrize("overlap", [True, "tiles"], ids=["pairs", "tiles"])
+@pytest.mark.parametrize("pattern", ["mimo-window", "gptoss-causal-window"])
+def test_overlap_same_bits_as_without(pattern, overlap):
+    """The overlap moves when each tile's Q · Kᵀ is issued, not what it computes: the same
+    wgmmas on the same slots (the queries read from shared memory instead of registers, the
+    same products), so the same bits as the kernel without it, however cut."""
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 64, 8, 64, torch.bfloat16, gaps=1, seed=22)
+    kwargs = _args("key0" if pattern == "mimo-window" else "null", pattern, sinks)
+    for max_len, chunk in CUTS:
+        plain, rows = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max_len, chunk)
+        o, _ = _run(Fa3WalkLaunch, q, k, v, b_start, b_len, kwargs, max_len, chunk,
+                    overlap=overlap)
+        assert torch.equal(o[rows], plain[rows]), (max_len, chunk)
 
 
 def test_fused_qkv_views():
@@ -125,6 +184,9 @@ def test_plan_declines_what_tma_cannot_load():
     p = _problem(q, k, v, o, b_start, b_len, 256, kwargs)
     assert Fa3WalkLaunch.plan(p, q, k, v, o, b_start, b_len, sinks) is not None
     assert Fa3WalkLaunch.plan(p, q, k, v, o, b_start, b_len, sinks, gp=8) is None
+    assert Fa3WalkLaunch.plan(p, q, k, v, o, b_start, b_len, sinks, overlap=True) is not None
+    assert Fa3WalkLaunch.plan(p, q, k, v, o, b_start, b_len, sinks, consumers=3,
+                              overlap=True) is None  # two score sets do not fit 160 registers
     odd = torch.empty(256, 64, 67, dtype=torch.bfloat16, device="cuda")[:, :, :64]
     odd.copy_(q)
     p2 = _problem(odd, k, v, o, b_start, b_len, 256, kwargs)

@@ -234,11 +234,16 @@ if gluon is not None:
 
     @gluon.jit
     def _band_scores(q_s, ring_k, s0, odd, M: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr,
-                     s_layout: gl.constexpr):
+                     s_layout: gl.constexpr, Q_FROM_SHARED: gl.constexpr = False):
         """Issue S = Q · Kᵀ of the tile's band (``_finish_scores`` waits for it); ``odd``: the
-        parity of ``s0``, a constexpr where the walk knows it."""
+        parity of ``s0``, a constexpr where the walk knows it. Q_FROM_SHARED: the wgmmas read
+        the queries from shared memory (no registers held while they run; the buffer is theirs
+        until they complete), else from registers loaded here."""
         zeros = gl.zeros([M, BLOCK_KEYS_C], gl.float32, s_layout)
-        q_r = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        if Q_FROM_SHARED:
+            q_r = q_s
+        else:
+            q_r = q_s.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         # (NB - 1) / 2 pairs of slots that start at an even slot, each one 32-key view (NS is
         # even), and the one block left over (_block_of): half the wgmmas and descriptors of one
         # wgmma per slot.
@@ -257,9 +262,11 @@ if gluon is not None:
         return raw
 
     @gluon.jit
-    def _finish_scores(raw, NB: gl.constexpr, s_layout: gl.constexpr):
-        """Wait for ``_band_scores``' wgmmas; the scores as NB [M, 16] blocks."""
-        raw = warpgroup_mma_wait(0, deps=raw)
+    def _finish_scores(raw, NB: gl.constexpr, s_layout: gl.constexpr,
+                       OUTSTANDING: gl.constexpr = 0):
+        """Wait for ``_band_scores``' wgmmas; the scores as NB [M, 16] blocks. OUTSTANDING: wgmma
+        groups issued after them that may stay in flight (the FA3-structured kernel's overlap)."""
+        raw = warpgroup_mma_wait(OUTSTANDING, deps=raw)
         scores = ()
         for i in gl.static_range(NB // 2):
             lo, hi = _halves(raw[i], s_layout)
