@@ -81,6 +81,7 @@ else:  # the committed walk's per-tile pieces
         _band_start,
         _finish_scores,
         _mask_band,
+        _tile_rows,
     )
 
 ROWS = walk.ROWS
@@ -175,16 +176,8 @@ if gluon is not None:
                 mbarrier.wait(turn.index(0), (i - 1) & 1, pred=i > 0)
             else:
                 mbarrier.wait(turn.index(C), i & 1)
-        pos = t * T + rows // GP
-        row_lo = gl.maximum(pos - window_q, 0)
-        if IS_CAUSAL:
-            row_hi = pos
-            if HAS_WK:
-                row_hi = gl.minimum(row_hi, pos + window_k)
-        else:
-            row_hi = pos + window_k
-        row_hi = gl.minimum(row_hi, seq_len - 1)
-        edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
+        row_lo, row_hi, edge = _tile_rows(t, b0, rows, window_q, window_k, seq_len, T, GP, NB,
+                                          IS_CAUSAL, HAS_WK)
         scores = _mask_band(scores, b0 * BLOCK_KEYS_C, odd, row_lo, row_hi, sink_raw, edge,
                             NB, SINK_MODE == KEY0_BIAS_C, -1)
         m = _band_max(scores, m_floor, NB, row_layout)

@@ -70,7 +70,8 @@ def read_compiled(compiled, sass_path: str | None = None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", choices=sorted(CASES), default="mimo")
-    ap.add_argument("--sass", help="also write the SASS here")
+    ap.add_argument("--sass", help="also write the SASS here (of the budget the launch runs: "
+                    "ROOMY where TIGHT spills)")
     ap.add_argument("--module", help="compile this copy of gluon_window_attention.py instead")
     args = ap.parse_args(argv)
     module = load_variant(args.module) if args.module else gw

@@ -339,6 +339,24 @@ if gluon is not None:
         return masked
 
     @gluon.jit
+    def _tile_rows(t, b0, rows, window_q, window_k, seq_len, T: gl.constexpr, GP: gl.constexpr,
+                   NB: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WK: gl.constexpr):
+        """What ``_mask_band`` takes for tile ``t`` (band from block ``b0``): each score row's
+        visible keys [row_lo, row_hi] (window, causality, the sequence's end), and whether the
+        tile is an edge tile (key 0 in reach, or its band past the sequence's end)."""
+        pos = t * T + rows // GP
+        row_lo = gl.maximum(pos - window_q, 0)
+        if IS_CAUSAL:
+            row_hi = pos
+            if HAS_WK:
+                row_hi = gl.minimum(row_hi, pos + window_k)
+        else:
+            row_hi = pos + window_k
+        row_hi = gl.minimum(row_hi, seq_len - 1)
+        edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
+        return row_lo, row_hi, edge
+
+    @gluon.jit
     def _band_max(scores, m_floor, NB: gl.constexpr, row_layout: gl.constexpr):
         """Row max of the band (and the floor): elementwise across the blocks, which share a
         layout, then one row reduction (its shuffles once per tile, not per block)."""
@@ -544,16 +562,8 @@ if gluon is not None:
                         _store_staged(q_ring.index((it + 2) % 3), o_seq, o_off, io_cols,
                                       stride_ot, row_tokens, t - 1, seq_len, T, io_layout)
                     scores = _finish_scores(pending, NB, s_layout)
-                    pos = t * T + rows // GP
-                    row_lo = gl.maximum(pos - window_q, 0)
-                    if IS_CAUSAL:
-                        row_hi = pos
-                        if HAS_WK:
-                            row_hi = gl.minimum(row_hi, pos + window_k)
-                    else:
-                        row_hi = pos + window_k
-                    row_hi = gl.minimum(row_hi, seq_len - 1)
-                    edge = (t * T - window_q <= 0) | ((b0 + NB) * BLOCK_KEYS_C > seq_len)
+                    row_lo, row_hi, edge = _tile_rows(t, b0, rows, window_q, window_k, seq_len,
+                                                      T, GP, NB, IS_CAUSAL, HAS_WK)
                     scores = _mask_band(scores, b0 * BLOCK_KEYS_C, odd, row_lo, row_hi, sink_raw,
                                         edge, NB, SINK_MODE == KEY0_BIAS_C,
                                         half if STEP == 2 else -1)
@@ -731,20 +741,19 @@ class WalkLaunch:
             return None
         return _LAUNCHER.ready(bound.signature, bound.grid, bound.tail)
 
-    def _bound(self, max_len_hint: int, chunk: int | None) -> BoundLaunch:
-        bound = self._by_bound.get((max_len_hint, chunk))
-        if bound is None:
-            budget = self.budget()
-            chunk_tiles, num_chunks = self.chunking(max_len_hint, chunk)
-            options = self.options
-            if "maxnreg" in options and budget is not TIGHT:
-                options = {**options, "maxnreg": budget.maxnreg}
-            if len(self._by_bound) >= 64:
-                self._by_bound.clear()
-            bound = self._by_bound[(max_len_hint, chunk)] = BoundLaunch(
-                (self.head_groups, num_chunks, self.num_seqs),
-                (*self.scalars, chunk_tiles, num_chunks, *self.strides),
-                (self.token, max_len_hint, chunk, budget.maxnreg), options)
+    def _new_bound(self, max_len_hint: int, chunk: int | None) -> BoundLaunch:
+        """Work out (and keep) a bound's launch under the variant's register budget now."""
+        budget = self.budget()
+        chunk_tiles, num_chunks = self.chunking(max_len_hint, chunk)
+        options = self.options
+        if "maxnreg" in options and budget is not TIGHT:
+            options = {**options, "maxnreg": budget.maxnreg}
+        if len(self._by_bound) >= 64:
+            self._by_bound.clear()
+        bound = self._by_bound[(max_len_hint, chunk)] = BoundLaunch(
+            (self.head_groups, num_chunks, self.num_seqs),
+            (*self.scalars, chunk_tiles, num_chunks, *self.strides),
+            (self.token, max_len_hint, chunk, budget.maxnreg), options)
         return bound
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint: int,
@@ -752,7 +761,7 @@ class WalkLaunch:
         """Launch; False (nothing launched, nothing written) when this kernel variant failed to
         compile, which is then reported once and never tried again: the caller falls back."""
         grid, tail, signature, options = self._by_bound.get((max_len_hint, chunk)) or \
-            self._bound(max_len_hint, chunk)
+            self._new_bound(max_len_hint, chunk)
         tensors = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len)
         if self._compiled:  # the common case: nothing to decide
             _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options)
