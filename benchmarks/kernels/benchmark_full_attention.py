@@ -173,6 +173,9 @@ def measure(s: FullShape, device, dtype, ours, upstream, fa3, bench) -> dict:
                                            None, None, False))
         if chosen is not None:
             row["kernel"], row["measured_speedup"] = chosen.kernel, chosen.speedup
+            if chosen.upstream is not None:  # routed: its launch replayed, or why not
+                route = chosen.upstream.route(max_len)
+                row["kernel"] += " (replayed)" if route.replay is not None else f" ({route.why_not})"
         op.use_upstream_op(None)
     if fa3 is not None and not causal:
         cu = cu_seqlens_from(starts, lens)

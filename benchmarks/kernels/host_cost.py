@@ -23,8 +23,10 @@ queue never fills and the CPU never waits for the GPU inside the timer). Rows:
 
 Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (``mimo_layer_us``: wrapper
 and op), and a call routed to upstream's op: upstream alone against the same call through our front
-door (``routed_case``; issue 19: ≤ 1 µs of ours on top), with upstream's op (``--peers``) and with
-a do-nothing stand-in of its signature (what ours adds, without upstream's launch).
+door (``routed_case``; issue 19: ≤ 1 µs of ours on top). With upstream's op (``--peers``) the route
+replays its launch (``upstream_launch.UpstreamRoute``), which saves upstream's Python; with a
+do-nothing stand-in of its signature, which launches nothing, the route calls it as is: the
+difference is then what our routing adds.
 
 ``host_cost_cpu.py`` times the Python layers above the C launch on a CPU (no GPU needed).
 """
@@ -47,6 +49,7 @@ from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  
 from vllm_sinks.v1.attention.ops import signature_cache  # noqa: E402
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # noqa: E402
+from vllm_sinks.v1.attention.ops.upstream_launch import UpstreamRoute  # noqa: E402
 
 
 #: Calls timed between two synchronisations. CUDA's launch queue is bounded: when a kernel takes
@@ -150,8 +153,11 @@ def routed_case(upstream, calls: int, device: str = "cuda", sync=torch.cuda.sync
     """A full-attention call routed to upstream's op (1 × 128, 16 heads, D 80, bf16, int bound: a
     kernel shorter than either launch, so the time per call is the CPU's): ``upstream`` (the op)
     alone, and the same call through our front door once its route is known (planted here,
-    whichever op the timing would pick), interleaved twice. The difference is what ours adds.
-    Shared with ``host_cost_cpu.py`` (a do-nothing stand-in for upstream's op, CPU tensors)."""
+    whichever op the timing would pick, and its first call recorded: ``UpstreamRoute``),
+    interleaved twice. The difference is what the route adds or saves: upstream's real op is
+    replayed (its Triton launch without its Python); a stand-in, which launches nothing, is called
+    as is (what our routing adds on top). Shared with ``host_cost_cpu.py`` (the stand-in, CPU
+    tensors)."""
     n = 128
     q = torch.randn(n, 16, 80, device=device).bfloat16()
     k, v, o = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
@@ -159,8 +165,10 @@ def routed_case(upstream, calls: int, device: str = "cuda", sync=torch.cuda.sync
     lens = torch.full((1,), n, dtype=torch.int32, device=device)
     op.use_upstream_op(upstream)
     try:
+        route = UpstreamRoute(upstream)
+        route(q, k, v, o, starts, lens, n, False, None, None, None)  # recorded
         signature_cache.remember(op._ROUTES, op.route_key(n, False, None, None, None, False),
-                                 (q, k, v, o, starts, lens), upstream)
+                                 (q, k, v, o, starts, lens), route.entry())
         times = {"upstream alone": [], "routed op call": []}
         for _ in range(2):
             times["upstream alone"].append(per_call_us(
@@ -172,6 +180,7 @@ def routed_case(upstream, calls: int, device: str = "cuda", sync=torch.cuda.sync
         op.use_upstream_op(None)
     rows = {name: min(ts) for name, ts in times.items()}
     rows["ours on top"] = rows["routed op call"] - rows["upstream alone"]
+    rows["replayed"] = route.replay is not None
     return rows
 
 
@@ -276,8 +285,10 @@ def print_parts(parts: dict, tokens: int) -> None:
 
 
 def print_routed(rows: dict, digits: int, what: str = "") -> None:
-    print(f"\nA call routed to upstream's op{what} (full attention 1×128, D 80; best of 2 "
-          "interleaved): " + ", ".join(f"{name} {us:.{digits}f} µs" for name, us in rows.items()))
+    times = {name: us for name, us in rows.items() if name != "replayed"}
+    how = "its launch replayed" if rows["replayed"] else "called as is"
+    print(f"\nA call routed to upstream's op{what}, {how} (full attention 1×128, D 80; best of 2 "
+          "interleaved): " + ", ".join(f"{name} {us:.{digits}f} µs" for name, us in times.items()))
 
 
 def main(argv=None):

@@ -9,6 +9,8 @@
 #   bash benchmarks/kernels/run_on_device.sh bench      # table only
 #   bash benchmarks/kernels/run_on_device.sh host       # GPU tests + MiMo pass + host cost (issue 19,
 #                                                       # item 1: the tables a host-side change moves)
+#   bash benchmarks/kernels/run_on_device.sh dispatch   # GPU tests + full attention + host cost (the
+#                                                       # tables a change of the routing moves)
 #   bash benchmarks/kernels/run_on_device.sh profile    # ncu of the default shape + code dump + sweep
 #
 # TRITON_TARBALL=.gpu/triton-3.7.1-slim.tar.xz runs everything under that Triton instead of the
@@ -73,6 +75,12 @@ step() {
 }
 
 t0=$(date +%s)
+if [ "$what" = dispatch ]; then
+  step full.log 14 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out"
+  step host.log 16 benchmarks/kernels/host_cost.py
+  echo "benchmark: $(( $(date +%s) - t0 )) s"
+  exit $status
+fi
 if [ "$what" != host ]; then
   bench_args=()
   [ "$what" = tune ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")

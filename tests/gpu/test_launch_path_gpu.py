@@ -206,3 +206,46 @@ def test_launch_hook_sees_every_call_then_the_direct_path_resumes():
     assert len(seen) == 2
     launch(q, k, v, torch.empty_like(q), b_start, b_len, sinks, hint)
     assert len(seen) == 2
+
+
+# (lengths, query heads, KV heads, head dim, dtype, causal): full-attention calls of the kinds the
+# front door routes to upstream's op where upstream measured faster.
+ROUTED = {
+    "1x128 D80 bf16": ([128], 16, 16, 80, torch.bfloat16, False),
+    "ragged GQA D64 fp16 causal": ([700, 64, 300], 32, 8, 64, torch.float16, True),
+    "D128 fp32": ([5, 1000], 8, 8, 128, torch.float32, False),
+    "D72 bf16 causal": ([256, 17], 12, 4, 72, torch.bfloat16, True),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTED))
+def test_a_routed_call_replays_upstreams_launch_bit_for_bit(case):
+    """``UpstreamRoute`` on vLLM's own op (the fetched peer): the first call is recorded, later calls
+    (fresh tensors, eager and in a captured CUDA graph) replay its launch and write exactly what
+    upstream's own call writes."""
+    import os
+    from pathlib import Path
+
+    from benchmarks.kernels import peers
+    from vllm_sinks.v1.attention.ops.upstream_launch import UpstreamRoute
+
+    upstream = peers.upstream_op(Path(os.environ.get("VLLM_SINKS_PEERS_DIR", peers.DEFAULT_DIR)))
+    if upstream is None:
+        pytest.skip("upstream op not fetched (benchmarks/kernels/fetch_peers.sh .gpu/peers)")
+    lens, hq, hkv, d, dtype, causal = ROUTED[case]
+    route = UpstreamRoute(upstream)
+    scalars = (causal, None, None, None)
+    q, k, v, _, b_start, b_len = _packed(lens, hq, hkv, d, dtype, seed=500)
+    route(q, k, v, torch.empty_like(q), b_start, b_len, max(lens), *scalars)  # recorded
+    assert route.replay is not None, route.why_not
+    q, k, v, _, b_start, b_len = _packed(lens, hq, hkv, d, dtype, seed=501)
+    expected, eager, graphed = torch.empty_like(q), torch.empty_like(q), torch.zeros_like(q)
+    upstream(q, k, v, expected, b_start, b_len, max(lens), causal)
+    route(q, k, v, eager, b_start, b_len, max(lens), *scalars)  # replayed
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        route(q, k, v, graphed, b_start, b_len, max(lens), *scalars)
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(b_start.tolist(), lens)])
+    assert torch.equal(eager[rows], expected[rows]) and torch.equal(graphed[rows], expected[rows])

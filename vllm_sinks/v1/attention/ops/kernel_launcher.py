@@ -219,7 +219,7 @@ class DirectLauncher:
             if len(self._compiled) >= _MAX_ENTRIES:
                 self._compiled.clear()
             if self._stream is None:
-                self._stream = _stream_functions()
+                self._stream = stream_functions()
             names = [p.name for p in self.kernel.params][len(tensors) + len(scalars):]
             tail = tuple(constexprs[n] for n in names)
             get_stream, get_device = self._stream
@@ -230,7 +230,7 @@ class DirectLauncher:
         return compiled
 
 
-def _stream_functions():
+def stream_functions():
     """(current raw stream of a device, current device): what Triton's CUDA driver reads, straight
     from torch's C functions where they exist (Triton's wrappers add a lazy-init check per call)."""
     get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
