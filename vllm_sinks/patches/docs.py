@@ -100,7 +100,9 @@ def fast_path_conditions() -> str:
             f"`max_input_len` on the host; every other call runs the portable Triton kernel. Full "
             f"attention (no window, no sink) goes to upstream's op unless ours measured faster on the "
             f"call (both timed once per call signature, back to back, outside graph capture; ours "
-            f"needs ≤ {mc.MARGIN} × upstream's time).")
+            f"needs ≤ {mc.MARGIN} × upstream's time); there, from its second call on, a call "
+            f"signature launches upstream's kernel as upstream's first call did, without upstream's "
+            f"Python (`upstream_launch.py`).")
 
 
 def render_version_facts() -> str:
