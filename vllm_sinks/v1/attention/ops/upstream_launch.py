@@ -3,14 +3,15 @@
 The front door (``triton_prefill_attention``) hands upstream's op the full-attention calls on which
 upstream measured faster (``measured_choice``). Upstream's ``context_attention_fwd`` is a few lines
 of Python around one Triton launch, ``_fwd_kernel[grid](...)``, and that launch is most of what a
-small call costs: 20–40 µs of CPU on the H200 machine against a kernel of a few µs (issue 19: a
+small call costs: 30–55 µs of CPU on the H200 machine against a kernel of a few µs (issue 19: a
 host-bound call routed to upstream, plus our ~2 µs of routing, ran at 0.95 × upstream alone).
 
 So a route (``UpstreamRoute``: one call signature, one length bound) watches the first call it
-hands upstream's op (``record``): which Triton kernel that call launched, on which grid, with which
-arguments. Every argument of that launch is then either one of the call's six tensors (found by
-identity) or a value that only the call signature and the route's scalars decide (strides, scale,
-block sizes, flags: upstream computes them from shapes, dtypes and its own arguments). Later calls
+hands upstream's op (``recording``): which Triton kernel that call launched, on which grid, with
+which arguments. Every argument of that launch is then either one of the call's six tensors (found
+by identity) or a value that only the call signature and the route's scalars decide (strides,
+scale, block sizes, flags: upstream computes them from shapes, dtypes, its own arguments and the
+process's platform, which every supported release does and nothing else). Later calls
 of the route launch the same compiled kernel through its C launch with their own tensors' addresses
 (``kernel_launcher.direct_launch``, the path our kernels take): the same kernel, grid and arguments
 as upstream's own launch, bit for bit the same output, without Triton's per-call Python.
@@ -31,9 +32,10 @@ A route replays only what it saw, and only where what it saw is all there is to 
 
 A replayed call needs all six pointers 16-byte aligned, the current CUDA device the one it was
 recorded on (Triton keeps its compiled kernels per current device) and no launch hook (a profiler);
-any other call, and every call of a route that was not replayable, goes to upstream's op as it is. A routed
-call therefore costs upstream's kernel plus ~6 µs of launch, where upstream alone costs its kernel
-plus 20–40 µs (``benchmarks/kernels/host_cost.py``).
+any other call, and every call of a route that was not replayable, goes to upstream's op as it is.
+A replayed call costs upstream's kernel plus 8–12 µs of CPU on the H200 machine, where upstream
+alone costs its kernel plus 38–55 µs (``benchmarks/kernels/host_cost.py``, docs/benchmarks.md,
+session 18).
 """
 
 from __future__ import annotations
