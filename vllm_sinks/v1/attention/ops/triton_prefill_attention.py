@@ -55,7 +55,8 @@ Each kernel's ``plan`` says whether it takes a call; the first that does, in thi
    timed once, the first time the signature is seen; upstream unless ours is faster by a margin).
    Its first call of a signature and bound is recorded; later ones launch upstream's kernel again
    with the same grid and arguments through its C launch, without upstream's Python
-   (``upstream_launch.UpstreamRoute``: same kernel, same output, ~20–30 µs less CPU a call);
+   (``upstream_launch.UpstreamRoute``: same kernel, same output, ~30–45 µs less CPU a call on
+   the H200 machine);
 3. ``prefill_attention_portable.PortableLaunch`` — the portable Triton kernel: every call.
 
 A call signature (shapes, strides, dtypes, devices, arguments) is validated and planned once; later
