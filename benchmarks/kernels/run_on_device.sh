@@ -75,21 +75,15 @@ step() {
 }
 
 t0=$(date +%s)
-if [ "$what" = dispatch ]; then
-  step full.log 14 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out"
-  step host.log 16 benchmarks/kernels/host_cost.py
-  echo "benchmark: $(( $(date +%s) - t0 )) s"
-  exit $status
-fi
-if [ "$what" != host ]; then
+if [ "$what" != host ] && [ "$what" != dispatch ]; then
   bench_args=()
   [ "$what" = tune ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")
   # e.g. BENCH_ARGS='--flex-cases "mimo 4x16384,gpt-oss 4x16384"' to save FlexAttention compiles
   eval "bench_args+=(${BENCH_ARGS:-})"
   step bench.log 40 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}" --out "$out"
-  step full.log 14 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out"
 fi
-step mimo-pass.log 8 benchmarks/kernels/benchmark_mimo_pass.py --out "$out"
+[ "$what" != host ] && step full.log 14 benchmarks/kernels/benchmark_full_attention.py --fa3 --out "$out"
+[ "$what" != dispatch ] && step mimo-pass.log 8 benchmarks/kernels/benchmark_mimo_pass.py --out "$out"
 step host.log 16 benchmarks/kernels/host_cost.py
 echo "benchmark: $(( $(date +%s) - t0 )) s"
 exit $status

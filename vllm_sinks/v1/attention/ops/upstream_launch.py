@@ -226,16 +226,15 @@ class UpstreamRoute:
         replayable."""
         pointers = _pointers(tensors)
         device = tensors[0].device
-        why_not = None
+        why_not, tries_left = None, self.tries - 1
         if not measured_choice.may_measure(device):
             why_not = "not recorded in CUDA-graph capture or torch.compile tracing, or off CUDA"
             if device.type != "cuda":  # never recorded: no retry on every call
-                self.tries = 1
+                tries_left = 0
         elif any(p & 15 for p in pointers) or kernel_launcher.hooks_set():
             why_not = "called with pointers not 16-byte aligned or a launch hook set"
         if why_not is not None:
-            self.tries -= 1
-            self.why_not = why_not
+            self.tries, self.why_not = tries_left, why_not
             self.fn(*tensors, *scalars)
             return
         self.tries = 0
