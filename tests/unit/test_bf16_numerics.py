@@ -104,6 +104,40 @@ def test_rotary_is_fp32_math_rounded_once(restore_rotary):
     assert torch.equal(modeling.apply_rotary_pos_emb(q, k, cos_hf, sin_hf)[0], hf_q)
 
 
+def test_a_later_model_of_the_process_is_still_traced_to_its_sink(restore_rotary):
+    """The rotary wrapper stays in GPT-OSS's modeling module once a first model installed it. The
+    backend's fusers trace each later model's attention forward with torch.fx, where the wrapper's
+    dtype test is a Proxy: it broke the SinkFuser's trace of every GPT-OSS after the first in one
+    process (vLLM 0.27.1, 2026-12-02: "tracing its forward failed before the attention-interface
+    call"), and the model refused to load."""
+    from vllm_sinks.model_executor.models.transformers.fusers.sink import SinkFuser, SinkSite
+
+    ours.apply_to_model(with_fused_norms(tiny_gpt_oss()), BF16, "GptOss", is_fused_norm=is_fused)
+    assert install.patched_by(restore_rotary.apply_rotary_pos_emb) == ours.PATCH
+    later = tiny_gpt_oss(seed=1)
+    site = SinkFuser().find(later.layers[0].self_attn)
+    assert site.problem is None, site.problem
+    assert site.sink == SinkSite("sinks", "parameter") and site.interface_calls == 1
+
+
+def test_the_rotary_wrapper_traces_as_hfs_call(restore_rotary):
+    """Traced, the wrapper's graph is HF's own rotary (plain torch.fx here); run, it gives HF's result
+    where cos/sin are q's dtype."""
+    modeling = restore_rotary
+    ours.apply_to_model(tiny_gpt_oss(), BF16, "GptOss", is_fused_norm=is_fused)
+
+    class Rotate(nn.Module):
+        def forward(self, q, k, cos, sin):
+            return modeling.apply_rotary_pos_emb(q, k, cos, sin)
+
+    graph_module = torch.fx.symbolic_trace(Rotate())
+    torch.manual_seed(3)
+    q, k = torch.randn(1, 4, 8, 64, dtype=BF16), torch.randn(1, 2, 8, 64, dtype=BF16)
+    cos, sin = torch.randn(1, 8, 32, dtype=BF16), torch.randn(1, 8, 32, dtype=BF16)  # GPT-OSS: half the head
+    expected = install.original(modeling.apply_rotary_pos_emb)(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(graph_module(q, k, cos, sin), expected))
+
+
 def test_router_needs_no_patch():
     """Why the patch leaves HF's router alone: torch's bf16 softmax (``dtype=bf16``, as HF's router
     calls it) computes in fp32 and rounds once, i.e. what native vLLM's fp32 top-k softmax gives on

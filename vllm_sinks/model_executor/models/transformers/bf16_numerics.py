@@ -46,7 +46,7 @@ import types
 from typing import Any, Callable, Iterable
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from vllm_sinks.patches import install
 
@@ -172,9 +172,14 @@ def round_rotary_once(fn: Callable) -> Callable:
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         q_embed, k_embed = fn(q, k, cos, sin, *args, **kwargs)
-        if cos.dtype != q.dtype:
-            return q_embed.to(q.dtype), k_embed.to(k.dtype)
-        return q_embed, k_embed
+        # Under torch.fx (the backend's fusers, the SinkFuser among them, trace each attention
+        # forward to read its graph, which is never run) a dtype comparison is a Proxy that cannot
+        # be branched on: the trace would stop here, before the attention call, and the sink would
+        # go unfound. This wrapper stays in the modeling module once a first model installed it, so
+        # every later GPT-OSS model of the process is traced through it: HF's call stands for it.
+        if isinstance(q, fx.Proxy) or cos.dtype == q.dtype:
+            return q_embed, k_embed
+        return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
     apply_rotary_pos_emb.__wrapped__ = fn
     apply_rotary_pos_emb.__doc__ = fn.__doc__
