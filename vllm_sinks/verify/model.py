@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from vllm_sinks.verify.families import FP32_BF16_SINK_BOUND, FP32_BOUND, NATIVE_RATIO, NO_NATIVE_BOUND
+from vllm_sinks.verify.families import FP32_BF16_SINK_BOUND, FP32_BOUND, NO_NATIVE_BOUND, sixteen_bit_bound
 from vllm_sinks.verify.model_inputs import (DEFAULT_PROMPTS, Checkpoint, ModelCheckError, architecture,
                                             available_memory, canonical_dtype, check_lengths, config_dtype,
                                             max_positions, needs_remote_code, read_checkpoint, read_config,
@@ -96,14 +96,8 @@ def bound_for(run: Run, *, reference: str, native_mean: float | None, bf16_sink_
         if bf16_sink_kernel:
             return FP32_BF16_SINK_BOUND, "fp32, bf16-sink CPU kernel"
         return FP32_BOUND, "fp32"
-    yardsticks = []
-    if run.impl == "transformers" and native_mean is not None:
-        yardsticks.append((NATIVE_RATIO * native_mean, f"{NATIVE_RATIO}x native"))
-    if hf_own is not None:
-        yardsticks.append((NATIVE_RATIO * hf_own, f"{NATIVE_RATIO}x HF eager's own {run.dtype} error"))
-    if yardsticks:
-        return max(yardsticks)
-    return NO_NATIVE_BOUND, f"{run.dtype}"
+    native = native_mean if run.impl == "transformers" else None
+    return sixteen_bit_bound(native, hf_own, run.dtype) or (NO_NATIVE_BOUND, f"{run.dtype}")
 
 
 def verdict(run: Run, *, wanted: set[int] | None, reference: str, native_mean: float | None,
