@@ -44,7 +44,8 @@ def test_bf16_judges_the_backend_as_installed_against_native():
 def test_bf16_is_also_judged_against_hfs_own_bf16_error():
     """HF eager's own bf16 error on the same model is the second yardstick (as in ``verify --model``):
     seed 0's GPT-OSS on 0.27.1, measured 2026-12-02 on an AVX512-BF16 machine (backend 0.0413,
-    native 0.0339, HF eager bf16 0.0622), is ok; a dropped sink (0.43 there in fp32) is not."""
+    native 0.0339, HF eager bf16 0.0622), is ok; a dropped sink
+    (0.43 on the 32-wide tiny GPT-OSS in fp32, 0.27.1) is not."""
     row = Row("gpt_oss", "bfloat16", on=0.0413, native=0.0339)
     assert verdict(row, bf16_sink_kernel=True) == "FAIL: 0.0413 > 0.0407 (1.2x native)"
     row.hf_own = 0.0622
