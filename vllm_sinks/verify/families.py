@@ -90,8 +90,8 @@ def sixteen_bit_bound(native: float | None, hf_own: float | None, dtype: str) ->
     0.32) the patched backend ran at 0.26-1.45x native (4 above 1.2x), and the same model and code
     measure differently on another machine (seed 0, 0.27.1: 1.10x native in session 15, 1.22x on
     session 19's 2-core AMD EPYC with AVX512-BF16, where native's own error was 0.0339, not 0.0389).
-    HF eager's own bf16 error is the rounding of the code the backend runs (0.062 there). A dropped sink is far beyond either
-    (0.1-1.9 on the tiny models; docs/notes/bf16-backend-gap.md)."""
+    HF eager's own bf16 error is the rounding of the code the backend runs (0.062 there). A dropped
+    sink is far beyond either (0.1-1.9 on the tiny models; docs/notes/bf16-backend-gap.md)."""
     yardsticks = [(NATIVE_RATIO * value, f"{NATIVE_RATIO}x {name}")
                   for value, name in ((native, "native"), (hf_own, f"HF eager's own {dtype} error"))
                   if value is not None]
