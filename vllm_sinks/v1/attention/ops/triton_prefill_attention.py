@@ -196,9 +196,11 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
         # Imported at the first call on an NVIDIA GPU, not with this module: Gluon and the kernel's
         # definitions are ~80 % of the op's import (benchmarks/plugin_load.py), and no other
         # platform can run them.
+        from vllm_sinks.v1.attention.ops.gluon_full_attention import FullLaunch
         from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 
-        walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
+        walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks) or \
+            FullLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
     ours = Plan(walk, None, PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks))
     upstream = _upstream_launch(p, args)
     if upstream is None:

@@ -1,0 +1,69 @@
+"""Compile the Hopper full-attention kernel (Gluon) for sm_90a without a GPU: registers, spills,
+shared memory, and its instructions by opcode, per case.
+
+    python benchmarks/kernels/inspect_full_attention.py                 # every case
+    python benchmarks/kernels/inspect_full_attention.py --case d80 --sass out.sass
+
+What it answers between GPU runs: whether the kernel compiles under this Triton at all (CI runs
+it under every Triton of the matrix's compile rows), and whether it spills. Timing needs the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from benchmarks.kernels.inspect_prefill_sass import signature  # noqa: E402
+from benchmarks.kernels.inspect_window_walk import read_compiled  # noqa: E402
+from vllm_sinks.v1.attention.ops import gluon_full_attention as gf  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import (  # noqa: E402
+    SINKS_KEY0_BIAS, SINKS_NONE, SINKS_NULL_LOGIT)
+
+# name: (head dim, query heads per KV head, causal, sink mode, stride unit)
+CASES = {"d64": (64, 1, False, SINKS_NONE, 8),
+         "d80": (80, 1, False, SINKS_NONE, 8),
+         "d72": (72, 1, False, SINKS_NONE, 8),
+         "d128-causal-gqa": (128, 4, True, SINKS_NONE, 8),
+         "d64-causal-null-sink": (64, 8, True, SINKS_NULL_LOGIT, 8),
+         "d64-key0-sink": (64, 4, False, SINKS_KEY0_BIAS, 8),
+         "d96-unit1": (96, 1, False, SINKS_NONE, 1)}
+
+
+def compile_case(case: str):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    d, qpk, causal, sink_mode, unit = CASES[case]
+    dp = gf.padded_head_dim(d)
+    tile = gf.TILES[dp]
+    constexprs = dict(HEAD_DIM=d, DP=dp, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                      STAGES=tile.stages, QUERIES_PER_KV=qpk, IS_CAUSAL=causal,
+                      SINK_MODE=sink_mode, STRIDE_UNIT=unit)
+    kernel = gf._full_attention_kernel
+    sig, attrs, constexprs = signature(kernel, constexprs, floats={"qk_scale", "inv_scale"})
+    src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tile.block_m // 16, enable_fp_fusion=True))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", choices=sorted(CASES), action="append")
+    ap.add_argument("--sass", help="also write the SASS here (one case)")
+    args = ap.parse_args(argv)
+    for case in args.case or CASES:
+        compiled = compile_case(case)
+        sass, res, ops = read_compiled(compiled, args.sass)
+        print(f"{case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
+              f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions "
+              f"(Triton {triton.__version__})")
+        print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+
+
+if __name__ == "__main__":
+    main()
