@@ -35,15 +35,15 @@ CASES = {"d64": (64, 1, False, SINKS_NONE, 8),
          "d96-unit1": (96, 1, False, SINKS_NONE, 1)}
 
 
-def compile_case(case: str):
+def compile_case(case: str, tile=None):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     d, qpk, causal, sink_mode, unit = CASES[case]
     dp = gf.padded_head_dim(d)
-    tile = gf.TILES[dp]
+    tile = tile or gf.TILES[dp]
     constexprs = dict(HEAD_DIM=d, DP=dp, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                       STAGES=tile.stages, QUERIES_PER_KV=qpk, IS_CAUSAL=causal,
-                      SINK_MODE=sink_mode, STRIDE_UNIT=unit)
+                      SINK_MODE=sink_mode, STRIDE_UNIT=unit, DEFER_PV=tile.defer_pv)
     kernel = gf._full_attention_kernel
     sig, attrs, constexprs = signature(kernel, constexprs, floats={"qk_scale", "inv_scale"})
     src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=constexprs)
@@ -55,9 +55,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", choices=sorted(CASES), action="append")
     ap.add_argument("--sass", help="also write the SASS here (one case)")
+    ap.add_argument("--tile", help="another tile: BLOCK_M,BLOCK_N,STAGES,DEFER_PV (e.g. 128,64,4,1)")
     args = ap.parse_args(argv)
     for case in args.case or CASES:
-        compiled = compile_case(case)
+        tile = None
+        if args.tile:
+            m, n, st, defer = (int(x) for x in args.tile.split(","))
+            tile = gf.TileConfig(m, n, st, bool(defer))
+        compiled = compile_case(case, tile)
         sass, res, ops = read_compiled(compiled, args.sass)
         print(f"{case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
               f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions "

@@ -41,7 +41,8 @@ import triton
 from vllm_sinks.v1.attention.ops.gluon_api import IMPORT_ERROR as GLUON_IMPORT_ERROR
 from vllm_sinks.v1.attention.ops.gluon_api import (async_load, commit_group, cta_barrier,
                                                    fence_async_shared, gl, gluon, wait_group,
-                                                   warpgroup_mma, warpgroup_mma_wait)
+                                                   warpgroup_mma, warpgroup_mma_init,
+                                                   warpgroup_mma_wait)
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     KEY0_BIAS_C,
@@ -63,12 +64,16 @@ MAX_HEAD_DIM = 128
 
 class TileConfig(NamedTuple):
     """Tile shape of one padded head dim: query rows per program (16 per warp), keys per block,
-    ring slots. Shared memory: (BLOCK_M + 2 · STAGES · BLOCK_N) · DP · 2 bytes (112 KB at DP 64,
-    128 KB at DP 128: one program per SM, 8 warps)."""
+    ring slots, and whether a block's P · V is left in flight into the next block's Q · Kᵀ
+    (``defer_pv``: the tensor cores then run it while the warps wait at the barrier and issue the
+    next copies; it costs a ring slot, since block j - 1's values are still being read while
+    block j + STAGES - 2 is loaded). Shared memory: (2 BLOCK_M + 2 · STAGES · BLOCK_N) · DP · 2
+    bytes (the output's layout change takes a tile of its own): one program per SM, 8 warps."""
 
     block_m: int
     block_n: int
     stages: int
+    defer_pv: bool = False
 
 
 #: By padded head dim. Registers per thread at DP 128: the accumulator 64, the scores 32, P 16.
@@ -113,7 +118,8 @@ if gluon is not None:
             stride_sink, stride_start, stride_len,
             HEAD_DIM: gl.constexpr, DP: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUERIES_PER_KV: gl.constexpr,
-            IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr, STRIDE_UNIT: gl.constexpr):
+            IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr, STRIDE_UNIT: gl.constexpr,
+            DEFER_PV: gl.constexpr):
         NUM_WARPS: gl.constexpr = BLOCK_M // 16
         # Strides come divided by STRIDE_UNIT (8 where all are multiples of 8): Triton tells the
         # compiler only whether an int is a multiple of 16, so a 72-wide head's rows would
@@ -139,6 +145,9 @@ if gluon is not None:
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                          element_bitwidth=16, rank=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        # Blocks issued ahead of their use: every slot but the one being read, and with DEFER_PV
+        # the one the previous block's P · V may still read.
+        AHEAD: gl.constexpr = STAGES - 1 - DEFER_PV
 
         head = gl.program_id(1)
         seq = gl.program_id(2)
@@ -188,7 +197,7 @@ if gluon is not None:
 
             cta_barrier()  # the previous tile's wgmmas are done in every warp: buffers are free
             _issue_rows(q_smem, q_base, stride_qt, m0, seq_len, HEAD_DIM, io_layout)
-            for b in gl.static_range(STAGES - 1):
+            for b in gl.static_range(AHEAD):
                 if b < n_blocks:
                     _issue_rows(ring_k.index(b), k_base, stride_kt, b * BLOCK_N, kv_len, HEAD_DIM,
                                 io_layout)
@@ -203,15 +212,17 @@ if gluon is not None:
                 m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
                 l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
             acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
+            if DEFER_PV:  # carried round the loop as a wgmma in flight
+                acc = warpgroup_mma_init(acc)
 
             for j in range(0, n_blocks):
                 # Block j (and, at j = 0, the queries) landed: this thread's copies by the wait,
                 # every thread's by the barrier, for the tensor cores by the fence. The barrier
                 # also says every warp is done with block j - 1, whose slot is refilled next.
-                wait_group(STAGES - 2)
+                wait_group(AHEAD - 1)
                 fence_async_shared()
                 cta_barrier()
-                nxt = j + STAGES - 1
+                nxt = j + AHEAD
                 if nxt < n_blocks:
                     slot_n = nxt % STAGES
                     _issue_rows(ring_k.index(slot_n), k_base, stride_kt, nxt * BLOCK_N, kv_len,
@@ -222,7 +233,10 @@ if gluon is not None:
                 slot = j % STAGES
                 s = warpgroup_mma(q_smem, ring_k.index(slot).permute((1, 0)), zeros_s,
                                   use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s, ))
+                if DEFER_PV:  # block j - 1's P · V too
+                    s, acc = warpgroup_mma_wait(0, deps=(s, acc))
+                else:
+                    s = warpgroup_mma_wait(0, deps=(s, ))
                 if SINK_MODE == KEY0_BIAS_C:
                     if j == 0:  # key 0 is seen by every query
                         s = gl.where(gl.expand_dims(cols_s, 0) == 0, s + sink_raw, s)
@@ -240,6 +254,9 @@ if gluon is not None:
                 acc = acc * _row(alpha, o_layout)
                 a = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(a, ring_v.index(slot), acc, is_async=True)
+                if not DEFER_PV:
+                    acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if DEFER_PV:
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
             wait_group(0)  # the empty groups of the last blocks
 
@@ -331,7 +348,8 @@ class FullLaunch:
         unit = 8 if not any(x % 8 for x in strides[:8]) else 1
         constexprs = dict(HEAD_DIM=p.head_dim, DP=dp, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                           STAGES=tile.stages, QUERIES_PER_KV=p.queries_per_kv,
-                          IS_CAUSAL=p.is_causal, SINK_MODE=p.sink_mode, STRIDE_UNIT=unit)
+                          IS_CAUSAL=p.is_causal, SINK_MODE=p.sink_mode, STRIDE_UNIT=unit,
+                          DEFER_PV=tile.defer_pv)
         scalars = (p.tokens, p.log2_scale, 1.0 / p.scale,
                    *(x // unit for x in strides[:8]), *strides[8:])
         options = launch_options(p.device, num_warps=tile.block_m // 16)
