@@ -29,15 +29,26 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate  # no
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import relative_l2  # noqa: E402
 
 T = gf.TileConfig
-CANDIDATES = {64: [T(128, 128, 3), T(128, 128, 4, True), T(128, 64, 4, True), T(128, 64, 3, True)],
+#: By computed width (``head_dim_parts`` summed, rounded up to 64, 96 or 128).
+CANDIDATES = {64: [T(128, 64, 4, True), T(128, 64, 4, True, 128), T(128, 64, 3, True),
+                   T(128, 128, 3)],
+              96: [T(128, 64, 4, True), T(128, 64, 4, True, 128), T(128, 64, 3),
+                   T(128, 64, 3, True, 128)],
               128: [T(128, 64, 3), T(128, 64, 4, True), T(128, 64, 3, True)]}
 SHAPES = [FullShape("qwen2.5-vl 4x4096 D80", (4096,) * 4, 16, 80),
           FullShape("qwen2.5-vl 1x1024 D80", (1024,), 16, 80),
+          FullShape("siglip 8x729 D72", (729,) * 8, 16, 72),
+          FullShape("D96 3x2000 h16", (2000,) * 3, 16, 96),
           FullShape("internvit 6x1025 D128", (1025,) * 6, 25, 128),
           FullShape("causal GQA 32/8 D128 2x2048", (2048, 2048), 32, 128, kv_heads=8, is_causal=True),
           FullShape("encoder 64x512 D64", (512,) * 64, 12, 64),
           FullShape("mixed D64", (256, 1024, 4000, 77, 2500), 16, 64),
           FullShape("1x16384 D64", (16384,), 16, 64)]
+
+
+def _width(d: int) -> int:
+    w = sum(gf.head_dim_parts(d))
+    return 64 if w <= 64 else 96 if w <= 96 else 128
 
 
 def main(argv=None):
@@ -53,9 +64,9 @@ def main(argv=None):
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
              "bf16; µs = do_bench median (2 rounds: min / max); ratio = upstream / tile", ""]
     for dp, tiles in CANDIDATES.items():
-        shapes = [s for s in SHAPES if gf.padded_head_dim(s.head_dim) == dp]
+        shapes = [s for s in SHAPES if _width(s.head_dim) == dp]
         header = ["shape", "upstream µs"] + [f"{t.block_m}x{t.block_n} s{t.stages}{' defer' if t.defer_pv else ''}"
-                                            for t in tiles]
+                                            f"{f' r{t.maxnreg}' if t.maxnreg else ''}" for t in tiles]
         lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         logs = {t: [] for t in tiles}
         for s in shapes:

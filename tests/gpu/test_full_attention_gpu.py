@@ -108,12 +108,38 @@ def test_strided_views_as_vllm_splits_qkv():
     """vLLM's ViT wrappers pass q, k, v as views of one fused projection ([tokens, 3, heads, D]),
     and a head stride that is not a multiple of 8 takes the kernel's unit-stride path."""
     tokens, h, d = 1500, 16, 80
-    for pad in (0, 4):  # pad 4: head stride 84, no 16-byte rows
+    for pad in (0, 8):  # pad 8: head stride 88
         qkv = torch.randn(tokens, 3, h, d + pad, device="cuda", dtype=torch.bfloat16)
         q, k, v = (qkv[:, i, :, :d] for i in range(3))
         b_len = torch.tensor([700, 800], device="cuda", dtype=torch.int32)
         b_start = torch.tensor([0, 700], device="cuda", dtype=torch.int32)
         _check(q, k, v, b_start, b_len, _call_kwargs(None, "none", False))
+
+
+def test_rows_off_16_bytes_take_the_portable_kernel():
+    """cp.async copies 4 bytes or more: a head stride of 84 elements, or a view that starts 2
+    bytes in, is declined by the plan or the launch, and the front door runs the portable kernel."""
+    tokens, h = 600, 4
+    big = torch.randn(tokens, h, 84, device="cuda", dtype=torch.bfloat16)
+    q = k = v = big[:, :, :80]
+    b_start = torch.tensor([0], device="cuda", dtype=torch.int32)
+    b_len = torch.tensor([tokens], device="cuda", dtype=torch.int32)
+    kw = _call_kwargs(None, "none", False)
+    p = validate(q, k, v, torch.empty_like(q), b_start, b_len, tokens, softmax_scale=None, **kw)
+    assert FullLaunch.plan(p, q, k, v, torch.empty_like(q), b_start, b_len, None) is None
+    shifted = torch.randn(tokens, h, 81, device="cuda", dtype=torch.bfloat16)[:, :, 1:]
+    o = torch.empty(tokens, h, 80, device="cuda", dtype=torch.bfloat16)
+    aligned = torch.randn(tokens, h, 80, device="cuda", dtype=torch.bfloat16)
+    p = validate(aligned, aligned, aligned, o, b_start, b_len, tokens, softmax_scale=None, **kw)
+    launch = FullLaunch.plan(p, aligned, aligned, aligned, o, b_start, b_len, None)
+    assert launch is not None
+    assert not launch(shifted, aligned, aligned, o, b_start, b_len, None, tokens)
+    op.use_upstream_op(None)
+    for args in ((q, k, v), (shifted, aligned, aligned)):
+        o = torch.full((tokens, h, 80), float("nan"), device="cuda", dtype=torch.bfloat16)
+        op.context_attention_fwd(*args, o, b_start, b_len, tokens, is_causal=False)
+        ref = reference_prefill_attention(*args, b_start, b_len, is_causal=False)
+        assert relative_l2(o, ref) < 1e-2
 
 
 def test_cuda_graph_replay_is_eager():

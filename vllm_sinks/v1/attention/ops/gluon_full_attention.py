@@ -22,8 +22,10 @@ flash-attention loop, written for Hopper:
 - the null-logit sink is the softmax's starting point (running max = the sink, running sum = 1),
   so it costs nothing per block.
 
-Head dims below 64 are padded to 64 and those above to 128 inside the kernel (masked loads fill
-zeros, the padded columns are never stored): upstream's op pads to the next power of two too.
+The head dim is computed in at most two parts, each a power of two (``head_dim_parts``: 80 = 64
++ 16), so a 72- or 80-wide head costs 80 columns of tensor-core work where upstream's op, which
+pads to the next power of two, costs 128; masked loads fill the columns past the head dim with
+zeros, and they are never stored.
 
 Gluon's API moves between Triton releases; every Gluon name comes from ``gluon_api``, which maps
 the renames.
@@ -63,46 +65,89 @@ MAX_HEAD_DIM = 128
 
 
 class TileConfig(NamedTuple):
-    """Tile shape of one padded head dim: query rows per program (16 per warp), keys per block,
-    ring slots, and whether a block's P · V is left in flight into the next block's Q · Kᵀ
-    (``defer_pv``: the tensor cores then run it while the warps wait at the barrier and issue the
-    next copies; it costs a ring slot, since block j - 1's values are still being read while
-    block j + STAGES - 2 is loaded). Shared memory: (2 BLOCK_M + 2 · STAGES · BLOCK_N) · DP · 2
-    bytes (the output's layout change takes a tile of its own): one program per SM, 8 warps."""
+    """Tile shape: query rows per program (16 per warp), keys per block, ring slots, and whether
+    a block's P · V is left in flight into the next block's Q · Kᵀ (``defer_pv``: the tensor
+    cores then run it while the warps wait at the barrier and issue the next copies; it costs a
+    ring slot, since block j - 1's values may still be read while block j + STAGES - 2 loads)."""
 
     block_m: int
     block_n: int
     stages: int
     defer_pv: bool = False
+    #: register cap per thread (128: two programs of 8 warps per SM), None: the compiler's choice
+    maxnreg: int | None = None
 
 
-#: By padded head dim. Registers per thread at DP 128: the accumulator 64, the scores 32, P 16.
-TILES = {64: TileConfig(128, 128, 3), 128: TileConfig(128, 64, 3)}
+def head_dim_parts(d: int) -> tuple[int, int]:
+    """The head dim as the kernel computes it: one power of two ≥ 16, or 64 plus a second power
+    of two ≤ 32 (72 and 80 -> 64 + 16, 96 -> 64 + 32); above 96, 128. Columns past ``d`` are
+    zeros, never stored."""
+    if d <= 64:
+        return max(16, triton.next_power_of_2(d)), 0
+    if d - 64 <= 32:
+        return 64, max(16, triton.next_power_of_2(d - 64))
+    return 128, 0
 
 
-def padded_head_dim(d: int) -> int:
-    """The head dim the kernel computes with (64 or 128; the extra columns are zeros)."""
-    return 64 if d <= 64 else 128
+def default_tile(parts: tuple[int, int]) -> TileConfig:
+    """The tile ``FullLaunch.plan`` takes, by the head dim's parts: the fastest of
+    ``benchmarks/kernels/sweep_full_tiles.py`` on the H200 (docs/benchmarks.md, issue 30). Up
+    to 96 columns, 64-key blocks in four slots with P · V in flight (128 registers at 64: two
+    programs per SM); at 128, three slots, P · V waited (the accumulator alone is 64 registers)."""
+    if sum(parts) <= 96:
+        return TileConfig(128, 64, 4, True)
+    return TileConfig(128, 64, 3, False)
 
 
 # ---- kernel --------------------------------------------------------------------------------------
 
 if gluon is not None:
 
+    @gluon.constexpr_function
+    def _smem_layout(width):
+        """Shared layout of a [rows, width] 16-bit tile: the widest swizzle its rows allow."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * width), element_bitwidth=16,
+                                    rank=2)
+
+    @gluon.constexpr_function
+    def _io_layout(width, num_warps):
+        """16-byte accesses: width / 8 threads across a row."""
+        across = width // 8
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // across, across],
+                                warps_per_cta=[num_warps, 1], order=[1, 0])
+
+    @gluon.constexpr_function
+    def _mma_layout(n, num_warps):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                         instr_shape=[16, n, 16])
+
     @gluon.jit
-    def _issue_rows(buf, base, stride_t, first, seq_len, HEAD_DIM: gl.constexpr,
-                    io_layout: gl.constexpr):
-        """cp.async rows ``first … first + R - 1`` of one head (``base``: its row 0) into ``buf``
-        [R, DP]; rows past the sequence and columns past the head dim are zero-filled."""
+    def _issue_rows(buf, base, stride_t, first, seq_len, COLS: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+        """cp.async rows ``first … first + R - 1`` of one head's part (``base``: its row 0, first
+        column) into ``buf`` [R, W]; rows past the sequence and columns past COLS (the head dim
+        left in this part) are zero-filled."""
         R: gl.constexpr = buf.shape[0]
-        DP: gl.constexpr = buf.shape[1]
+        W: gl.constexpr = buf.shape[1]
+        io_layout: gl.constexpr = _io_layout(W, NUM_WARPS)
         rows = first + gl.arange(0, R, layout=gl.SliceLayout(1, io_layout))
-        cols = gl.arange(0, DP, layout=gl.SliceLayout(0, io_layout))
+        cols = gl.arange(0, W, layout=gl.SliceLayout(0, io_layout))
         mask = gl.expand_dims(rows < seq_len, 1)
-        if HEAD_DIM < DP:
-            mask = mask & gl.expand_dims(cols < HEAD_DIM, 0)
+        if COLS < W:
+            mask = mask & gl.expand_dims(cols < COLS, 0)
         ptr = base + gl.expand_dims(rows.to(gl.int64) * stride_t, 1) + gl.expand_dims(cols, 0)
         async_load(buf, ptr, mask)
+
+    @gluon.jit
+    def _issue_block(k0, v0, k1, v1, k_base, v_base, stride_kt, stride_vt, first, kv_len,
+                     HEAD_DIM: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr,
+                     NUM_WARPS: gl.constexpr):
+        """One key block's keys and values, both parts of the head dim."""
+        _issue_rows(k0, k_base, stride_kt, first, kv_len, HEAD_DIM, NUM_WARPS)
+        _issue_rows(v0, v_base, stride_vt, first, kv_len, HEAD_DIM, NUM_WARPS)
+        if D1 > 0:
+            _issue_rows(k1, k_base + D0, stride_kt, first, kv_len, HEAD_DIM - D0, NUM_WARPS)
+            _issue_rows(v1, v_base + D0, stride_vt, first, kv_len, HEAD_DIM - D0, NUM_WARPS)
 
     @gluon.jit
     def _row(x, layout: gl.constexpr):
@@ -111,39 +156,63 @@ if gluon is not None:
         return gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, layout), assert_trivial=True), 1)
 
     @gluon.jit
+    def _wait_pv(acc0, acc1, SPLIT: gl.constexpr):
+        """Wait for the P · V wgmmas of both parts (the second only where there is one)."""
+        if SPLIT:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
+        return acc0, acc1
+
+    @gluon.jit
+    def _store_part(acc, inv_l, buf, o_base, stride_ot, m0, seq_len, COLS: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+        """O = acc / l for one part of the head dim, staged in ``buf`` (the part's query buffer,
+        free once the tile's wgmmas are done) for 16-byte stores of whole rows."""
+        W: gl.constexpr = buf.shape[1]
+        io_layout: gl.constexpr = _io_layout(W, NUM_WARPS)
+        buf.store((acc * _row(inv_l, acc.type.layout)).to(buf.dtype))
+        cta_barrier()
+        out = buf.load(io_layout)
+        rows = m0 + gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, io_layout))
+        cols = gl.arange(0, W, layout=gl.SliceLayout(0, io_layout))
+        mask = gl.expand_dims(rows < seq_len, 1)
+        if COLS < W:
+            mask = mask & gl.expand_dims(cols < COLS, 0)
+        ptr = o_base + gl.expand_dims(rows.to(gl.int64) * stride_ot, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptr, out, mask=mask)
+
+    @gluon.jit
     def _full_attention_kernel(
             Q, K, V, O, Sinks, StartLoc, SeqLen,
             total_tokens, qk_scale, inv_scale,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
             stride_sink, stride_start, stride_len,
-            HEAD_DIM: gl.constexpr, DP: gl.constexpr, BLOCK_M: gl.constexpr,
+            HEAD_DIM: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUERIES_PER_KV: gl.constexpr,
-            IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr, STRIDE_UNIT: gl.constexpr,
-            DEFER_PV: gl.constexpr):
+            IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr, DEFER_PV: gl.constexpr):
         NUM_WARPS: gl.constexpr = BLOCK_M // 16
-        # Strides come divided by STRIDE_UNIT (8 where all are multiples of 8): Triton tells the
-        # compiler only whether an int is a multiple of 16, so a 72-wide head's rows would
-        # otherwise be copied two bytes at a time.
-        stride_qt = stride_qt * STRIDE_UNIT
-        stride_qh = stride_qh * STRIDE_UNIT
-        stride_kt = stride_kt * STRIDE_UNIT
-        stride_kh = stride_kh * STRIDE_UNIT
-        stride_vt = stride_vt * STRIDE_UNIT
-        stride_vh = stride_vh * STRIDE_UNIT
-        stride_ot = stride_ot * STRIDE_UNIT
-        stride_oh = stride_oh * STRIDE_UNIT
+        # The head dim in two parts (D0 a power of two, D1 one or 0): 80 = 64 + 16 computes 80
+        # columns, where one power of two would compute 128.
+        SPLIT: gl.constexpr = D1 > 0
+        D1B: gl.constexpr = D1 if SPLIT else 16  # buffers of a part that is not there: unused
+        # Strides come divided by 8 (``FullLaunch.plan`` takes only calls whose rows start on 16
+        # bytes): Triton tells the compiler only whether an int is a multiple of 16, so a 72-wide
+        # head's rows would otherwise be copied two bytes at a time.
+        stride_qt = stride_qt * 8
+        stride_qh = stride_qh * 8
+        stride_kt = stride_kt * 8
+        stride_kh = stride_kh * 8
+        stride_vt = stride_vt * 8
+        stride_vh = stride_vh * 8
+        stride_ot = stride_ot * 8
+        stride_oh = stride_oh * 8
         dtype: gl.constexpr = Q.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, DP, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        # 16-byte accesses: DP / 8 threads across a row
-        io_layout: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[1, 8], threads_per_warp=[32 * 8 // DP, DP // 8],
-            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                         element_bitwidth=16, rank=2)
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
+        o0_layout: gl.constexpr = _mma_layout(D0, NUM_WARPS)
+        o1_layout: gl.constexpr = _mma_layout(D1B, NUM_WARPS)
+        p0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o0_layout, k_width=2)
+        p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         # Blocks issued ahead of their use: every slot but the one being read, and with DEFER_PV
         # the one the previous block's P · V may still read.
@@ -159,9 +228,17 @@ if gluon is not None:
         k_base = K + seq_start64 * stride_kt + kv_head * stride_kh
         v_base = V + seq_start64 * stride_vt + kv_head * stride_vh
 
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DP], smem_layout)
-        ring_k = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DP], smem_layout)
-        ring_v = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DP], smem_layout)
+        q0 = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], _smem_layout(D0))
+        k0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], _smem_layout(D0))
+        v0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], _smem_layout(D0))
+        if SPLIT:
+            q1 = gl.allocate_shared_memory(dtype, [BLOCK_M, D1B], _smem_layout(D1B))
+            k1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1B], _smem_layout(D1B))
+            v1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1B], _smem_layout(D1B))
+        else:  # never read or written: the same views stand in, so every call site is one
+            q1 = q0
+            k1 = k0
+            v1 = v0
 
         # The sink in raw-score units (scores are scaled by qk_scale later): the null logit is the
         # running max's starting point, key 0's bias is added to its raw score.
@@ -176,8 +253,7 @@ if gluon is not None:
         # Heavier tiles first under causality (they have more key blocks); a bound that was too
         # small is covered by the programs looping over the tiles past it.
         m_tiles = (seq_len + BLOCK_M - 1) // BLOCK_M
-        grid_m = gl.num_programs(0)
-        for tile in range(gl.program_id(0), m_tiles, grid_m):
+        for tile in range(gl.program_id(0), m_tiles, gl.num_programs(0)):
             if IS_CAUSAL:
                 mt = m_tiles - 1 - tile
             else:
@@ -195,14 +271,15 @@ if gluon is not None:
             else:
                 first_masked = n_blocks - 1
 
-            cta_barrier()  # the previous tile's wgmmas are done in every warp: buffers are free
-            _issue_rows(q_smem, q_base, stride_qt, m0, seq_len, HEAD_DIM, io_layout)
+            cta_barrier()  # the previous tile is done in every warp: its buffers are free
+            _issue_rows(q0, q_base, stride_qt, m0, seq_len, HEAD_DIM, NUM_WARPS)
+            if SPLIT:
+                _issue_rows(q1, q_base + D0, stride_qt, m0, seq_len, HEAD_DIM - D0, NUM_WARPS)
             for b in gl.static_range(AHEAD):
                 if b < n_blocks:
-                    _issue_rows(ring_k.index(b), k_base, stride_kt, b * BLOCK_N, kv_len, HEAD_DIM,
-                                io_layout)
-                    _issue_rows(ring_v.index(b), v_base, stride_vt, b * BLOCK_N, kv_len, HEAD_DIM,
-                                io_layout)
+                    _issue_block(k0.index(b), v0.index(b), k1.index(b), v1.index(b), k_base,
+                                 v_base, stride_kt, stride_vt, b * BLOCK_N, kv_len, HEAD_DIM, D0,
+                                 D1, NUM_WARPS)
                 commit_group()
 
             if SINK_MODE == NULL_LOGIT_C:
@@ -211,30 +288,37 @@ if gluon is not None:
             else:
                 m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
                 l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-            acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
-            if DEFER_PV:  # carried round the loop as a wgmma in flight
-                acc = warpgroup_mma_init(acc)
+            acc0 = gl.zeros([BLOCK_M, D0], gl.float32, o0_layout)
+            acc1 = gl.zeros([BLOCK_M, D1B], gl.float32, o1_layout)
+            if DEFER_PV:  # carried round the loop as wgmmas in flight
+                acc0 = warpgroup_mma_init(acc0)
+                if SPLIT:
+                    acc1 = warpgroup_mma_init(acc1)
 
             for j in range(0, n_blocks):
                 # Block j (and, at j = 0, the queries) landed: this thread's copies by the wait,
                 # every thread's by the barrier, for the tensor cores by the fence. The barrier
-                # also says every warp is done with block j - 1, whose slot is refilled next.
+                # also says every warp is done with the block whose slot is refilled next.
                 wait_group(AHEAD - 1)
                 fence_async_shared()
                 cta_barrier()
                 nxt = j + AHEAD
                 if nxt < n_blocks:
-                    slot_n = nxt % STAGES
-                    _issue_rows(ring_k.index(slot_n), k_base, stride_kt, nxt * BLOCK_N, kv_len,
-                                HEAD_DIM, io_layout)
-                    _issue_rows(ring_v.index(slot_n), v_base, stride_vt, nxt * BLOCK_N, kv_len,
-                                HEAD_DIM, io_layout)
+                    sn = nxt % STAGES
+                    _issue_block(k0.index(sn), v0.index(sn), k1.index(sn), v1.index(sn), k_base,
+                                 v_base, stride_kt, stride_vt, nxt * BLOCK_N, kv_len, HEAD_DIM, D0,
+                                 D1, NUM_WARPS)
                 commit_group()
                 slot = j % STAGES
-                s = warpgroup_mma(q_smem, ring_k.index(slot).permute((1, 0)), zeros_s,
-                                  use_acc=False, is_async=True)
+                s = warpgroup_mma(q0, k0.index(slot).permute((1, 0)), zeros_s, use_acc=False,
+                                  is_async=True)
+                if SPLIT:
+                    s = warpgroup_mma(q1, k1.index(slot).permute((1, 0)), s, is_async=True)
                 if DEFER_PV:  # block j - 1's P · V too
-                    s, acc = warpgroup_mma_wait(0, deps=(s, acc))
+                    if SPLIT:
+                        s, acc0, acc1 = warpgroup_mma_wait(0, deps=(s, acc0, acc1))
+                    else:
+                        s, acc0 = warpgroup_mma_wait(0, deps=(s, acc0))
                 else:
                     s = warpgroup_mma_wait(0, deps=(s, ))
                 if SINK_MODE == KEY0_BIAS_C:
@@ -251,25 +335,24 @@ if gluon is not None:
                 p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
-                acc = acc * _row(alpha, o_layout)
-                a = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(a, ring_v.index(slot), acc, is_async=True)
+                a0 = gl.convert_layout(p.to(dtype), p0_layout)
+                acc0 = warpgroup_mma(a0, v0.index(slot), acc0 * _row(alpha, o0_layout),
+                                     is_async=True)
+                if SPLIT:
+                    a1 = gl.convert_layout(a0, p1_layout)
+                    acc1 = warpgroup_mma(a1, v1.index(slot), acc1 * _row(alpha, o1_layout),
+                                         is_async=True)
                 if not DEFER_PV:
-                    acc = warpgroup_mma_wait(0, deps=(acc, ))
+                    acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
             if DEFER_PV:
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
             wait_group(0)  # the empty groups of the last blocks
 
-            out = (acc / _row(l_i, o_layout)).to(dtype)
-            out = gl.convert_layout(out, io_layout)
-            rows_o = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
-            cols_o = gl.arange(0, DP, layout=gl.SliceLayout(0, io_layout))
-            mask = gl.expand_dims(rows_o < seq_len, 1)
-            if HEAD_DIM < DP:
-                mask = mask & gl.expand_dims(cols_o < HEAD_DIM, 0)
-            ptr = o_base + gl.expand_dims(rows_o.to(gl.int64) * stride_ot, 1) + \
-                gl.expand_dims(cols_o, 0)
-            gl.store(ptr, out, mask=mask)
+            inv_l = 1.0 / l_i
+            _store_part(acc0, inv_l, q0, o_base, stride_ot, m0, seq_len, HEAD_DIM, NUM_WARPS)
+            if SPLIT:
+                _store_part(acc1, inv_l, q1, o_base + D0, stride_ot, m0, seq_len, HEAD_DIM - D0,
+                            NUM_WARPS)
 
 
 # ---- launcher ------------------------------------------------------------------------------------
@@ -339,20 +422,22 @@ class FullLaunch:
     def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks,
              tile: TileConfig | None = None) -> "FullLaunch | None":
         """A launch when the call fits the kernel, else None. ``tile``: another tile shape (the
-        benchmarks' sweep), default ``TILES`` by padded head dim."""
+        benchmarks' sweep), default ``default_tile``. Declines rows that do not start on 16
+        bytes (the portable kernel takes those)."""
         if takes(p) is not None or full_unavailable(p.device) is not None:
             return None
-        dp = padded_head_dim(p.head_dim)
-        tile = tile or TILES[dp]
         strides = stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len)
-        unit = 8 if not any(x % 8 for x in strides[:8]) else 1
-        constexprs = dict(HEAD_DIM=p.head_dim, DP=dp, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                          STAGES=tile.stages, QUERIES_PER_KV=p.queries_per_kv,
-                          IS_CAUSAL=p.is_causal, SINK_MODE=p.sink_mode, STRIDE_UNIT=unit,
-                          DEFER_PV=tile.defer_pv)
-        scalars = (p.tokens, p.log2_scale, 1.0 / p.scale,
-                   *(x // unit for x in strides[:8]), *strides[8:])
-        options = launch_options(p.device, num_warps=tile.block_m // 16)
+        if any(x % 8 for x in strides[:8]):
+            return None  # rows that do not start on 16 bytes: cp.async copies 4 bytes or more
+        parts = head_dim_parts(p.head_dim)
+        tile = tile or default_tile(parts)
+        constexprs = dict(HEAD_DIM=p.head_dim, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, STAGES=tile.stages,
+                          QUERIES_PER_KV=p.queries_per_kv, IS_CAUSAL=p.is_causal,
+                          SINK_MODE=p.sink_mode, DEFER_PV=tile.defer_pv)
+        scalars = (p.tokens, p.log2_scale, 1.0 / p.scale, *(x // 8 for x in strides[:8]),
+                   *strides[8:])
+        options = launch_options(p.device, num_warps=tile.block_m // 16, maxnreg=tile.maxnreg)
         return cls(p.tokens, p.num_seqs, p.q_heads, tile.block_m, scalars, constexprs, options,
                    tuple(sorted(constexprs.items())) + (p.dtype, ))
 
@@ -379,6 +464,8 @@ class FullLaunch:
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint: int) -> bool:
         """Launch; False (nothing launched, nothing written) when this kernel variant failed to
         compile, which is then reported once and never tried again: the caller falls back."""
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15:
+            return False  # a view that starts off 16 bytes: cp.async cannot copy its rows whole
         grid, signature = self._bound(max_len_hint)
         tensors = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len)
         if self.variant in _COMPILED_VARIANTS:
