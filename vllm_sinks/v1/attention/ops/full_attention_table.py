@@ -24,8 +24,8 @@ Lookup (``Table.decide``) of a class on the device's table:
    neighbours that disagree, no table for this GPU / Triton, a table that does not parse — is
    the fallback: upstream's op, which is never slower than vLLM without the plugin.
 
-Each entry holds the measured ratio (upstream's time / ours, the worst of the class's variants)
-and the verdict it implies: "ours" only where ours took at most ``MARGIN`` of upstream's time on
+Each entry holds the measured ratio (upstream's time / ours, the worst of the class's variants; 0
+where ours failed) and the verdict it implies: "ours" only where ours took at most ``MARGIN`` of upstream's time on
 every variant, so the decision is data, not code (a verdict its ratio does not support is a
 malformed table). Decisions are cached per class and device in a dict: a stream of new shapes costs
 one dict lookup per new call signature, nothing on the device. A malformed table never fails a
@@ -177,8 +177,9 @@ def _entry(e, source: str, where: str, margin: float) -> tuple[ShapeClass, tuple
         _need(_int(e[key]) and low <= e[key] <= 64, source,
               f"{where}: {key} must be an int in {low}..64, got {e[key]!r}")
     ratio = e["ratio"]
+    # 0: ours failed on the class (a compile error), which is upstream's
     _need(isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
-          and ratio > 0, source, f"{where}: ratio must be a positive finite number, got {ratio!r}")
+          and ratio >= 0, source, f"{where}: ratio must be a finite number >= 0, got {ratio!r}")
     _need(e["verdict"] in VERDICTS, source,
           f"{where}: verdict must be one of {VERDICTS}, got {e['verdict']!r}")
     ours = e["verdict"] == "ours"
