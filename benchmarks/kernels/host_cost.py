@@ -8,9 +8,9 @@ kernel). Each row is the median over 7 repetitions of a CPU timer around ``--cal
 work only queued (synchronised outside the timer every ``SYNC_EVERY`` calls, so that the launch
 queue never fills and the CPU never waits for the GPU inside the timer). Rows:
 
-- call key: building the call signature (``prefill_attention_problem.call_key``), which since
-  session 15 only a signature not seen before pays (``signature_cache``);
-- op call: ``context_attention_fwd`` end to end (seen-signature check, launch);
+- call key: building the call signature (``prefill_attention_problem.call_key``), which every call
+  pays (the plan cache's key);
+- op call: ``context_attention_fwd`` end to end (key, plan lookup, launch);
 - plan launch: the chosen kernel's launch object on this call's tensors (grid by bound, then
   ``DirectLauncher``: alignment, hooks, stream, and the C launch called directly where the Triton
   release allows it, else Triton's compiled launcher);
@@ -23,10 +23,9 @@ queue never fills and the CPU never waits for the GPU inside the timer). Rows:
 
 Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (``mimo_layer_us``: wrapper
 and op), and a call routed to upstream's op: upstream alone against the same call through our front
-door (``routed_case``; issue 19: ≤ 1 µs of ours on top). With upstream's op (``--peers``) the route
-replays its launch (``upstream_launch.UpstreamRoute``), which saves upstream's Python; with a
-do-nothing stand-in of its signature, which launches nothing, the route calls it as is: the
-difference is then what our routing adds.
+door (``routed_case``: our key, plan lookup and table lookup, then upstream's own function). With
+upstream's op (``--peers``) and with a do-nothing stand-in of its signature, which launches
+nothing: the difference is then what our routing adds.
 
 ``host_cost_cpu.py`` times the Python layers above the C launch on a CPU (no GPU needed).
 """
@@ -46,10 +45,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw  # noqa: E402
 from vllm_sinks.v1.attention.ops import kernel_launcher  # noqa: E402
 from vllm_sinks.v1.attention.ops import prefill_attention_portable as portable  # noqa: E402
-from vllm_sinks.v1.attention.ops import signature_cache  # noqa: E402
+from vllm_sinks.v1.attention.ops import full_attention_table  # noqa: E402
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # noqa: E402
-from vllm_sinks.v1.attention.ops.upstream_launch import UpstreamRoute  # noqa: E402
 
 
 #: Calls timed between two synchronisations. CUDA's launch queue is bounded: when a kernel takes
@@ -152,23 +150,20 @@ def print_table(title: str, results: list[tuple], digits: int) -> None:
 def routed_case(upstream, calls: int, device: str = "cuda", sync=torch.cuda.synchronize) -> dict:
     """A full-attention call routed to upstream's op (1 × 128, 16 heads, D 80, bf16, int bound: a
     kernel shorter than either launch, so the time per call is the CPU's): ``upstream`` (the op)
-    alone, and the same call through our front door once its route is known (planted here,
-    whichever op the timing would pick, and its first call recorded: ``UpstreamRoute``),
-    interleaved twice. The difference is what the route adds or saves: upstream's real op is
-    replayed (its Triton launch without its Python); a stand-in, which launches nothing, is called
-    as is (what our routing adds on top). Shared with ``host_cost_cpu.py`` (the stand-in, CPU
-    tensors)."""
+    alone, and the same call through our front door with upstream registered and no table read
+    (``full_attention_table.use_table_dir(None)``: every class goes to upstream), interleaved
+    twice. The difference is what the route adds: our call key, plan lookup and table lookup.
+    Shared with ``host_cost_cpu.py`` (the stand-in, CPU tensors)."""
     n = 128
     q = torch.randn(n, 16, 80, device=device).bfloat16()
     k, v, o = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
     starts = torch.zeros(1, dtype=torch.int32, device=device)
     lens = torch.full((1,), n, dtype=torch.int32, device=device)
     op.use_upstream_op(upstream)
+    full_attention_table.use_table_dir(None)
     try:
-        route = UpstreamRoute(upstream)
-        route(q, k, v, o, starts, lens, n, False, None, None, None)  # recorded
-        signature_cache.remember(op._ROUTES, op.route_key(n, False, None, None, None, False),
-                                 (q, k, v, o, starts, lens), route.entry())
+        chosen = op.plan(q, k, v, o, starts, lens, n, False)
+        assert chosen.upstream_takes(n), "the call is not routed to upstream's op"
         times = {"upstream alone": [], "routed op call": []}
         for _ in range(2):
             times["upstream alone"].append(per_call_us(
@@ -178,9 +173,9 @@ def routed_case(upstream, calls: int, device: str = "cuda", sync=torch.cuda.sync
                 sync=sync))
     finally:
         op.use_upstream_op(None)
+        full_attention_table.use_table_dir()
     rows = {name: min(ts) for name, ts in times.items()}
     rows["ours on top"] = rows["routed op call"] - rows["upstream alone"]
-    rows["replayed"] = route.replay is not None
     return rows
 
 
@@ -240,14 +235,14 @@ def mimo_layer_parts(calls: int, device: str = "cuda", sync=torch.cuda.synchroni
     for _ in range(2):  # planned, then launched once through the plan (its C launch kept)
         forward(attn, q, k, v, cu, max_seqlen)
     mod = mimo._OPS[0]
-    seen_key = (mimo._SEEN_KEY, int, 64, True, attn.scale, False)
-    (check, chosen), *_ = mod._PLANS[seen_key]
+    key_args = (q, k, v, cu, max_seqlen, attn.visual_token_window_size, sinks, True, attn.scale)
+    chosen = mod._PLANS[mimo.wrapper_key(*key_args)]
     cu_ptr = cu.data_ptr()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     parts = {
         "layer": lambda: forward(attn, q, k, v, cu, max_seqlen),
         "sinks of rank": lambda: mimo.attention_sinks_for_rank(attn),
-        "seen check": lambda: mod._PLANS.get(seen_key) and check(q, k, v, cu, sinks, max_seqlen),
+        "key + plan": lambda: mod._PLANS.get(mimo.wrapper_key(*key_args)),
         "bound read": lambda: max_seqlen.item(),
         "output": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
         "launch seen": lambda: chosen.launch_seen(q, k, v, o, sinks, tokens, cu_ptr, cu_ptr),
@@ -285,10 +280,8 @@ def print_parts(parts: dict, tokens: int) -> None:
 
 
 def print_routed(rows: dict, digits: int, what: str = "") -> None:
-    times = {name: us for name, us in rows.items() if name != "replayed"}
-    how = "its launch replayed" if rows["replayed"] else "called as is"
-    print(f"\nA call routed to upstream's op{what}, {how} (full attention 1×128, D 80; best of 2 "
-          "interleaved): " + ", ".join(f"{name} {us:.{digits}f} µs" for name, us in times.items()))
+    print(f"\nA call routed to upstream's op{what} (full attention 1×128, D 80; best of 2 "
+          "interleaved): " + ", ".join(f"{name} {us:.{digits}f} µs" for name, us in rows.items()))
 
 
 def main(argv=None):

@@ -11,9 +11,8 @@ the GPU, the C launch (argument parsing, ``cuLaunchKernelEx``) costs ~nothing. T
 launch is planned as on an sm_90 GPU (its platform gate is lifted for the run). Rows (median of 7
 × ``--calls`` calls, µs per call):
 
-- call key: ``call_key`` (the call signature; since session 15 built only for a signature not seen
-  before);
-- op call: ``context_attention_fwd`` end to end (seen-signature check, launch object, launcher);
+- call key: ``call_key`` (the call signature, the plan cache's key: every call builds it);
+- op call: ``context_attention_fwd`` end to end (key, plan lookup, launch object, launcher);
 - plan launch: the chosen launch object (``WalkLaunch`` / ``PortableLaunch``) on this call's tensors;
 - launcher: ``DirectLauncher`` alone (alignment, hooks, stream, the compiled launcher);
 - triton run: Triton's ``CudaLauncher.__call__`` alone (what the launcher called before session 11).

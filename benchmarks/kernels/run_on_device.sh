@@ -4,7 +4,12 @@
 #
 #   bash benchmarks/kernels/run_on_device.sh            # GPU tests + benchmark tables (op cases,
 #                                                       # full attention, MiMo pass, host cost)
-#   bash benchmarks/kernels/run_on_device.sh tune       # GPU tests + tile-shape sweep + table
+#   bash benchmarks/kernels/run_on_device.sh sweep      # GPU tests + tile-shape sweep + table
+#   bash benchmarks/kernels/run_on_device.sh tune       # the full-attention table of this GPU and
+#                                                       # Triton (tune_full_attention.py, into the
+#                                                       # package and $OUT/tables), then the stream
+#   bash benchmarks/kernels/run_on_device.sh stream     # a server's stream of new shapes, a process
+#                                                       # per path (benchmark_stream.py)
 #   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only
 #   bash benchmarks/kernels/run_on_device.sh bench      # table only
 #   bash benchmarks/kernels/run_on_device.sh host       # GPU tests + MiMo pass + host cost (issue 19,
@@ -56,6 +61,18 @@ if [ "$what" = profile ]; then
   exit 0
 fi
 
+if [ "$what" = tune ] || [ "$what" = stream ]; then
+  # no GPU tests: the table's measurement (~150 s) and the stream (< 4 min) fit one call
+  if [ "$what" = tune ]; then
+    python3 benchmarks/kernels/tune_full_attention.py --out "$out" 2>&1 | tee "$out/tune-full.log" \
+      | grep -v -i warn | tail -n 60
+    [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+  fi
+  python3 benchmarks/kernels/benchmark_stream.py --out "$out" 2>&1 | tee "$out/stream.log" \
+    | grep -v -i warn | tail -n 20
+  exit "${PIPESTATUS[0]}"
+fi
+
 if [ "$what" != bench ]; then
   t0=$(date +%s)
   # Four workers share the GPU: the time goes into compiling kernel variants, on the CPU.
@@ -77,7 +94,7 @@ step() {
 t0=$(date +%s)
 if [ "$what" != host ] && [ "$what" != dispatch ]; then
   bench_args=()
-  [ "$what" = tune ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")
+  [ "$what" = sweep ] && bench_args=(--tune --table --tune-seconds "${TUNE_SECONDS:-60}")
   # e.g. BENCH_ARGS='--flex-cases "mimo 4x16384,gpt-oss 4x16384"' to save FlexAttention compiles
   eval "bench_args+=(${BENCH_ARGS:-})"
   step bench.log 40 benchmarks/kernels/benchmark_prefill_attention.py "${bench_args[@]}" --out "$out"

@@ -81,30 +81,31 @@ def test_the_plan_names_the_kernel_it_runs():
     assert device == "triton"
 
 
-@pytest.mark.parametrize("upstream_sleeps_s, upstream_wins", [(0.0, True), (2e-3, False)])
-def test_full_attention_goes_to_the_op_measured_faster(upstream_sleeps_s, upstream_wins):
-    """With upstream's op registered, a full-attention call goes to whichever op the timing on the
-    call found faster (a stand-in: instant, or 2 ms of host time per call); the winner is kept per
-    signature; windows and sinks stay ours. (No vLLM here.)"""
-    import time
+@pytest.mark.parametrize("verdict", ["upstream", "ours"])
+def test_full_attention_goes_where_the_table_says(verdict, tmp_path):
+    """With upstream's op registered (a recording stand-in), a full-attention call goes to it unless
+    the table read says ours for its class (a table written here for this GPU); windows and sinks
+    stay ours. Nothing is timed. (No vLLM here.)"""
+    import json
+
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
 
     calls = []
-
-    def stand_in(*args):
-        calls.append(args)
-        if upstream_sleeps_s:
-            time.sleep(upstream_sleeps_s)
-
-    op.use_upstream_op(stand_in)
+    name, cap, version = fat.device_identity(("cuda", torch.cuda.current_device()))
+    ratio = 1.5 if verdict == "ours" else 0.5
+    entry = dict(head_dim=64, dtype="bfloat16", causal=False, queries_per_kv=1,
+                 heads_bucket=fat.heads_bucket(16), length_bucket=fat.length_bucket(max(LENS)),
+                 ratio=ratio)
+    (tmp_path / fat.table_name(name, cap, version)).write_text(
+        json.dumps(fat.table_document(name, cap, version, [entry])))
+    op.use_upstream_op(lambda *args: calls.append(args))
+    fat.use_table_dir(tmp_path)
     try:
         q, k, v, sinks, b_start, b_len = _packed(LENS, 16, 16, 64, torch.bfloat16, seed=400)
-        o = torch.empty_like(q)
+        o = torch.full_like(q, float("nan"))
         op.context_attention_fwd(q, k, v, o, b_start, b_len, max(LENS), is_causal=False)
-        timed = len(calls)
-        assert timed >= 2  # it ran during the timing (and the call itself, where it won)
-        op.context_attention_fwd(q, k, v, o, b_start, b_len, max(LENS), is_causal=False)
-        assert len(calls) - timed == (1 if upstream_wins else 0)  # the seen call: the winner
-        if not upstream_wins:
+        assert len(calls) == (1 if verdict == "upstream" else 0)
+        if verdict == "ours":
             ref = reference_prefill_attention(q, k, v, b_start, b_len, is_causal=False,
                                               dtype=torch.float32)
             assert relative_l2(o, ref) < 4e-3
@@ -114,6 +115,7 @@ def test_full_attention_goes_to_the_op_measured_faster(upstream_sleeps_s, upstre
         assert len(calls) == before
     finally:
         op.use_upstream_op(None)
+        fat.use_table_dir()
 
 
 #: Releases whose launcher layout kernel_launcher knows: the direct C launch must be taken there.
@@ -209,7 +211,7 @@ def test_launch_hook_sees_every_call_then_the_direct_path_resumes():
 
 
 # (lengths, query heads, KV heads, head dim, dtype, causal): full-attention calls of the kinds the
-# front door routes to upstream's op where upstream measured faster.
+# front door routes to upstream's op where the table does not give them to ours.
 ROUTED = {
     "1x128 D80 bf16": ([128], 16, 16, 80, torch.bfloat16, False),
     "ragged GQA D64 fp16 causal": ([700, 64, 300], 32, 8, 64, torch.float16, True),
@@ -219,33 +221,34 @@ ROUTED = {
 
 
 @pytest.mark.parametrize("case", list(ROUTED))
-def test_a_routed_call_replays_upstreams_launch_bit_for_bit(case):
-    """``UpstreamRoute`` on vLLM's own op (the fetched peer): the first call is recorded, later calls
-    (fresh tensors, eager and in a captured CUDA graph) replay its launch and write exactly what
-    upstream's own call writes."""
+def test_a_routed_call_writes_what_upstreams_own_call_writes(case):
+    """vLLM's own op (the fetched peer) registered, no table read (every class to upstream): the
+    front door hands the call to it with the caller's arguments, eager and in a captured CUDA
+    graph, and the output is bit for bit what upstream's own call writes."""
     import os
     from pathlib import Path
 
     from benchmarks.kernels import peers
-    from vllm_sinks.v1.attention.ops.upstream_launch import UpstreamRoute
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
 
     upstream = peers.upstream_op(Path(os.environ.get("VLLM_SINKS_PEERS_DIR", peers.DEFAULT_DIR)))
     if upstream is None:
         pytest.skip("upstream op not fetched (benchmarks/kernels/fetch_peers.sh .gpu/peers)")
     lens, hq, hkv, d, dtype, causal = ROUTED[case]
-    route = UpstreamRoute(upstream)
-    scalars = (causal, None, None, None)
-    q, k, v, _, b_start, b_len = _packed(lens, hq, hkv, d, dtype, seed=500)
-    route(q, k, v, torch.empty_like(q), b_start, b_len, max(lens), *scalars)  # recorded
-    assert route.replay is not None, route.why_not
     q, k, v, _, b_start, b_len = _packed(lens, hq, hkv, d, dtype, seed=501)
     expected, eager, graphed = torch.empty_like(q), torch.empty_like(q), torch.zeros_like(q)
-    upstream(q, k, v, expected, b_start, b_len, max(lens), causal)
-    route(q, k, v, eager, b_start, b_len, max(lens), *scalars)  # replayed
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        route(q, k, v, graphed, b_start, b_len, max(lens), *scalars)
-    graph.replay()
-    torch.cuda.synchronize()
+    upstream(q, k, v, expected, b_start, b_len, max(lens), causal, 0.1)
+    op.use_upstream_op(upstream)
+    fat.use_table_dir(None)
+    try:
+        op.context_attention_fwd(q, k, v, eager, b_start, b_len, max(lens), causal, 0.1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            op.context_attention_fwd(q, k, v, graphed, b_start, b_len, max(lens), causal, 0.1)
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        op.use_upstream_op(None)
+        fat.use_table_dir()
     rows = torch.cat([torch.arange(s, s + n) for s, n in zip(b_start.tolist(), lens)])
     assert torch.equal(eager[rows], expected[rows]) and torch.equal(graphed[rows], expected[rows])

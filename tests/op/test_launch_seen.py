@@ -49,8 +49,7 @@ def test_a_seen_call_launches_what_the_plans_launch_does(launches):
     first = _call()
     op.context_attention_fwd(*first, 32, **kw)  # validated, planned, compiled through "Triton"
     assert launches.calls == []
-    (entries,) = op._SEEN.values()
-    (check, plan), = entries
+    (plan,) = op._PLANS.values()
     assert list(plan._ready) == [32]  # the bound the call launched with
     second = _call(seed=1)
     op.context_attention_fwd(*second, 32, **kw)  # launch_seen
@@ -67,8 +66,7 @@ def test_what_launch_seen_leaves_to_the_plan(launches, monkeypatch):
     sinks = torch.randn(4)
     q, k, v, o, starts, lens = _call()
     op.context_attention_fwd(q, k, v, o, starts, lens, 32, False, None, 3, 3, sinks, True)
-    (entries,) = op._SEEN.values()
-    (_, plan), = entries
+    (plan,) = op._PLANS.values()
     args = (q, k, v, o, sinks)
     assert plan.launch_seen(*args, 32, starts.data_ptr(), lens.data_ptr())
     assert not plan.launch_seen(*args, 31, starts.data_ptr(), lens.data_ptr())  # not launched with 31
@@ -98,8 +96,7 @@ def test_a_seen_mimo_layer_launches_once_into_a_fresh_output(launches, monkeypat
     bound.fill_(31)  # a bound it has not launched with: the plan's own path, then ready for it
     layer(attn, *_call(seed=3)[:3], cu, bound)
     assert len(launches.calls) == 3
-    (entries,) = [e for key, e in op._PLANS.items() if key[0] == fork._SEEN_KEY]
-    (_, plan), = entries
+    (plan,) = [p for key, p in op._PLANS.items() if key[0] == fork._WRAPPER_KEY]
     assert sorted(plan._ready) == [31, 32]
 
 

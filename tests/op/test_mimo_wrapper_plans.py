@@ -77,15 +77,15 @@ def test_null_semantics_and_no_sinks_are_their_own_signatures():
     assert relative_l2(none, _ref(q, k, v, cu, 3, None)) < 1e-5
 
 
-def test_a_seen_signature_skips_the_full_key_and_another_signature_does_not(monkeypatch):
-    """A call of a seen signature is recognised by its scalar arguments and one check of its
-    tensors' metadata; a tensor with another dtype, shape or strides is a signature of its own."""
+def test_a_seen_signature_is_not_planned_again_and_another_signature_is(monkeypatch):
+    """A call of a seen signature takes its plan by key; a tensor with another dtype, shape or
+    strides is a signature of its own, checked and planned."""
     q, k, v, cu, sinks = _inputs(5)
     bound = torch.tensor(12)
     fork.window_attention_with_sinks(q, k, v, cu, bound, 3, sinks)
-    real = fork._plan_window_call
+    real = op.plan
     planned = []
-    monkeypatch.setattr(fork, "_plan_window_call", lambda *a: planned.append(a) or real(*a))
+    monkeypatch.setattr(op, "plan", lambda *a, **kw: planned.append(a) or real(*a, **kw))
     fork.window_attention_with_sinks(q, k, v, cu, bound, 3, sinks)
     assert planned == []
     changed = [

@@ -140,23 +140,20 @@ def test_a_seen_signature_does_not_hide_a_bad_call_beside_it(bad, match):
         call(**bad)
 
 
-def test_a_seen_signature_skips_the_call_key_and_each_signature_keeps_its_plan(monkeypatch):
+def test_a_seen_signature_is_not_planned_again_and_each_signature_keeps_its_plan(monkeypatch):
     from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
 
     signatures = [good(), good(max_input_len=torch.tensor(7)), good(sinks=None),
                   good(q=torch.randn(T, 2 * HQ, D, device=DEVICE)[:, ::2])]  # q's strides differ
-    outs = []
-    for kwargs in signatures:  # each seen once
+    op.use_upstream_op(None)  # clears the plan cache
+    real, planned, outs = op.plan, [], []
+    monkeypatch.setattr(op, "plan", lambda *a, **kw: planned.append(a) or real(*a, **kw))
+    for kwargs in signatures:  # each seen once: each its own plan
         call(**kwargs)
         outs.append(kwargs["o"].clone())
-    monkeypatch.setattr(op, "call_key", lambda *a: pytest.fail("the call key built for a seen call"))
+    assert len(planned) == len(signatures) == len(op._PLANS)
+    monkeypatch.setattr(op, "plan", lambda *a, **kw: pytest.fail("a seen signature planned again"))
     for kwargs, first in zip(signatures, outs):
         kwargs["o"].fill_(float("nan"))
         call(**kwargs)
         torch.testing.assert_close(kwargs["o"], first, rtol=0, atol=0)
-    monkeypatch.undo()
-    strided_plan = [plan for checks in op._SEEN.values() for check, plan in checks
-                    if check(*(signatures[3][n] for n in ("q", "k", "v", "o", "b_start_loc",
-                                                          "b_seq_len", "sinks")),
-                             op.signature_cache.INT_BOUND)]
-    assert len(strided_plan) == 1  # the strided q's own plan, no other signature's

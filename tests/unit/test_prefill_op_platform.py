@@ -99,7 +99,8 @@ def test_a_platform_without_is_cuda_is_drift(fake_vllm):
 @pytest.mark.parametrize("kind,handed_back", [(PlatformEnum.CUDA, True), (PlatformEnum.CPU, False)])
 def test_faster_calls_go_back_to_upstream_on_cuda_only(fake_vllm, kind, handed_back, monkeypatch):
     """With our real op installed, the front door gets upstream's op for the full-attention calls
-    upstream measured faster at, on CUDA; forced elsewhere, ours keeps every call."""
+    the shipped table does not give ours (full_attention_table), on CUDA; forced elsewhere, ours
+    keeps every call."""
     from vllm_sinks.v1.attention.ops import triton_prefill_attention as front_door
 
     op_module = fake_vllm(kind)

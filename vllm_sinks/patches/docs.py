@@ -84,25 +84,27 @@ def render_env_vars() -> str:
 def fast_path_conditions() -> str:
     """Where the prefill op's Gluon window kernel runs, read from the kernel's own constants (the
     conditions ``GluonWindowLaunch.plan`` and ``walk_unavailable`` test), and which full-attention
-    calls go back to upstream's op (``measured_choice``: timed per call signature)."""
+    calls go back to upstream's op (``full_attention_table``: the shipped tables)."""
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
     from vllm_sinks.v1.attention.ops import gluon_window_attention as gw
-    from vllm_sinks.v1.attention.ops import measured_choice as mc
     from vllm_sinks.v1.attention.ops.prefill_attention_problem import BLOCK_KEYS
 
     short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
     dtypes = "/".join(short.get(str(d).removeprefix("torch."), str(d)) for d in gw.DTYPES)
     major, minor = gw.CAPABILITY
     triton = ", ".join(v + "x" for v in gw.TESTED_TRITON)
+    tables = sorted(p.stem for p in fat.SHIPPED_DIR.glob("*.json"))
     return (f"sliding windows run the Gluon kernel (`gluon_window_attention.py`) on compute capability "
             f"{major}.{minor} only, with Triton {triton}, at head dim {gw.HEAD_DIM}, in {dtypes} "
             f"(output alike), with query heads per KV head a multiple of {gw.ROWS // BLOCK_KEYS}, a "
             f"window band of at most {gw.MAX_BAND_BLOCKS} blocks of {BLOCK_KEYS} keys, and "
             f"`max_input_len` on the host; every other call runs the portable Triton kernel. Full "
-            f"attention (no window, no sink) goes to upstream's op unless ours measured faster on the "
-            f"call (both timed once per call signature, back to back, outside graph capture; ours "
-            f"needs ≤ {mc.MARGIN} × upstream's time); there, from its second call on, a call "
-            f"signature launches upstream's kernel as upstream's first call did, without upstream's "
-            f"Python (`upstream_launch.py`).")
+            f"attention (no window, no sink) goes to upstream's op unless the shipped table for the "
+            f"GPU and Triton release says ours is faster on the call's shape class (ours needs ≤ "
+            f"{fat.MARGIN} × upstream's time on every variant measured; nothing is timed at run "
+            f"time; a class the table cannot decide, a `max_input_len` on the device, or a GPU / "
+            f"Triton without a table keeps upstream's op). Tables shipped: "
+            f"{', '.join(f'`{t}`' for t in tables) or 'none'}.")
 
 
 def render_version_facts() -> str:

@@ -100,8 +100,8 @@ def _not_cuda() -> str | None:
 
 def _hand_back_faster_calls(ours, upstream) -> None:
     """Give our front door upstream's op for the calls it can take (full attention), which then go
-    to whichever of the two measures faster on each call signature (``measured_choice``), so the
-    patch never makes a call it takes slower. Only on CUDA, where that was measured (forced
+    to upstream's op unless the shipped table says ours is faster on their shape class
+    (``full_attention_table``), so the patch never makes a call it takes slower. Only on CUDA, where that was measured (forced
     elsewhere, ours takes every call), and only where ``ours`` is our front door (tests stand in
     other functions)."""
     from vllm_sinks.v1.attention.ops import triton_prefill_attention

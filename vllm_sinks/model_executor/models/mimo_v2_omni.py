@@ -53,19 +53,15 @@ def describe_semantics(semantics: str) -> str:
     return f"sinks as null logit ({SEMANTICS_ENV}={NULL}, opt-in)"
 
 
-_OPS: list = []  # [our op's module, its call checks' module, signature_cache], at the first call
+_OPS: list = []  # [our op's module, its call checks' module], at the first call
 
 
 def _our_op_module():
     # Lazy: importing Triton costs time and the op module is not needed to parse settings.
     if not _OPS:
-        from vllm_sinks.v1.attention.ops import (
-            prefill_attention_problem,
-            signature_cache,
-            triton_prefill_attention,
-        )
+        from vllm_sinks.v1.attention.ops import prefill_attention_problem, triton_prefill_attention
 
-        _OPS[:] = [triton_prefill_attention, prefill_attention_problem, signature_cache]
+        _OPS[:] = [triton_prefill_attention, prefill_attention_problem]
     return _OPS[0]
 
 
@@ -110,10 +106,8 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> None:
 
 _KEY0_OF = {KEY0: True, NULL: False}
 #: First field of the wrapper's call keys in the op's plan cache (the op's own keys start with a
-#: shape: the two never collide): full keys -> plans, and the seen-signature entries (arguments
-#: that are not tensors -> ((check of the tensors, plan), ...), ``signature_cache``).
+#: shape: the two never collide).
 _WRAPPER_KEY = "window_attention_with_sinks"
-_SEEN_KEY = "window_attention_with_sinks: seen signatures"
 
 
 def window_attention_with_sinks(
@@ -137,11 +131,11 @@ def window_attention_with_sinks(
     sequence sees keys j of the same sequence with ``|i - j| <= window``. ``sinks`` [Hq] are this
     rank's heads. ``op`` defaults to vllm-sinks' Triton prefill op. Returns [T, Hq, Dv].
 
-    With our op, a call signature seen before costs a key of the arguments that are not tensors,
-    one C check of the tensors' metadata (``signature_cache``), a fresh output and the C launch its
-    kernel took before (``Plan.launch_seen``): the checks run on its first call (here and in the
-    op's ``plan``), the kernels read ``cu_seqlens`` as is (no offsets or lengths derived from it),
-    and the plan is cached by this function's own key (``_window_call``).
+    With our op, a call signature seen before costs its key (a flat tuple of the tensors' metadata
+    and the other arguments), a fresh output and the C launch its kernel took before
+    (``Plan.launch_seen``): the checks run on its first call (here and in the op's ``plan``), the
+    kernels read ``cu_seqlens`` as is (no offsets or lengths derived from it), and the plan is
+    cached by this function's own key (``_window_call``).
     """
     key0 = _KEY0_OF.get(semantics) if isinstance(semantics, str) else None
     if key0 is None:
@@ -160,34 +154,21 @@ def _window_call(q, k, v, cu_seqlens, max_seqlen, window, sinks, key0: bool, sof
     ~15). ``cu_seqlens`` goes to the kernels as is (they read its cumulative offsets:
     ``Problem.cu_seqlens``), so nothing is derived from it on the host and nothing derived is
     cached: a CUDA graph replays whatever offsets it holds then, and inference-mode tensors (which
-    keep no version counter) need no special case. A signature seen before: the arguments that are
-    not tensors, one C check of the tensors' metadata (signature_cache; placeholders stand in for
-    an absent sink or an int bound, the int is in the key then), the bound read, a fresh output
-    and the C launch (``Plan.launch_seen``)."""
+    keep no version counter) need no special case. A signature seen before: its plan by key, the
+    bound read, a fresh output and the C launch (``Plan.launch_seen``)."""
     mod = _OPS[0]
-    if isinstance(max_seqlen, torch.Tensor):
-        seen_key, bound_tensor = (_SEEN_KEY, type(window), window, key0, softmax_scale,
-                                  sinks is None), max_seqlen
-    else:
-        seen_key, bound_tensor = (_SEEN_KEY, type(window), window, key0, softmax_scale,
-                                  sinks is None, type(max_seqlen), max_seqlen), _OPS[2].INT_BOUND
-    sink_tensor = _OPS[2].NO_SINKS if sinks is None else sinks
-    chosen = None
+    key = wrapper_key(q, k, v, cu_seqlens, max_seqlen, window, sinks, key0, softmax_scale)
     try:
-        seen = mod._PLANS.get(seen_key)
-    except TypeError:  # unhashable arguments: the checks say what is wrong
-        seen = None
-    for check, plan in seen or ():
-        if check(q, k, v, cu_seqlens, sink_tensor, bound_tensor):
-            chosen = plan
-            break
+        chosen = None if key is None else mod._PLANS.get(key)
+    except TypeError:  # unhashable arguments: the checks say what
+        key = chosen = None
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if chosen is None:
-        chosen = _plan_window_call(mod, q, k, v, out, cu_seqlens, max_seqlen, window, sinks, key0,
-                                   softmax_scale)
-        if chosen.measured:  # validated: the next call with this signature skips all of the above
-            _OPS[2].remember(mod._PLANS, seen_key, (q, k, v, cu_seqlens, sink_tensor, bound_tensor),
-                             chosen)
+        _check_inputs(q, k, v, cu_seqlens, window, sinks)
+        max_seqlen = _bound_on_host(max_seqlen, q.device)
+        chosen = mod.remember(key, mod.plan(q, k, v, out, cu_seqlens, cu_seqlens, max_seqlen, False,
+                                            softmax_scale, window, window, sinks, key0,
+                                            cu_seqlens=True))
     elif chosen._ready:
         cu = cu_seqlens.data_ptr()
         if chosen.launch_seen(q, k, v, out, sinks, _OPS[1].host_length_bound(max_seqlen), cu, cu):
@@ -196,27 +177,19 @@ def _window_call(q, k, v, cu_seqlens, max_seqlen, window, sinks, key0: bool, sof
     return out
 
 
-def _plan_window_call(mod, q, k, v, out, cu_seqlens, max_seqlen, window, sinks, key0,
-                      softmax_scale):
-    """The plan of a call whose signature the seen-signature check did not know: from the plan
-    cache by the full key (what the op's key would hold: o derives from q, and cu_seqlens stands
-    for the offsets), else checked and planned."""
+def wrapper_key(q, k, v, cu_seqlens, max_seqlen, window, sinks, key0: bool, softmax_scale):
+    """The wrapper's call signature in the op's plan cache (what the op's key would hold: o derives
+    from q, and cu_seqlens stands for the offsets), or None for arguments that are not tensors
+    (the checks then say what is wrong)."""
     try:
-        key = (_WRAPPER_KEY, q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
-               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), cu_seqlens.shape,
-               cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.get_device(),
-               None if sinks is None else (sinks.shape, sinks.stride(), sinks.dtype, sinks.get_device()),
-               _OPS[1].bound_key(max_seqlen), type(window), window, key0, softmax_scale)
-        chosen = mod._PLANS.get(key)
-    except (AttributeError, TypeError):  # not tensors, unhashable arguments: the checks say what
-        key = chosen = None
-    if chosen is None:
-        _check_inputs(q, k, v, cu_seqlens, window, sinks)
-        max_seqlen = _bound_on_host(max_seqlen, q.device)
-        chosen = mod.remember(key, mod.plan(q, k, v, out, cu_seqlens, cu_seqlens, max_seqlen, False,
-                                            softmax_scale, window, window, sinks, key0,
-                                            cu_seqlens=True))
-    return chosen
+        return (_WRAPPER_KEY, q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(),
+                k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(),
+                cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.get_device(),
+                None if sinks is None else (sinks.shape, sinks.stride(), sinks.dtype,
+                                            sinks.get_device()),
+                _OPS[1].bound_key(max_seqlen), type(window), window, key0, softmax_scale)
+    except (AttributeError, TypeError):  # not tensors, an incomparable bound
+        return None
 
 
 def _bound_on_host(max_seqlen, device: torch.device):

@@ -35,9 +35,7 @@ softmax_scale=None, sliding_window_q=None, sliding_window_k=None, sinks=None, si
   is never read from the device: an int or a CPU tensor sizes the launch grid (a bound that is too
   small costs time, never output), while a device tensor makes each program find its sequence and
   tile on the device. Either way a call costs no device→host sync and can be captured in a CUDA
-  graph — except where it goes to upstream's op (below), which is upstream's own behaviour, and
-  the first call of a signature that upstream's op may take, where both ops are timed (once per
-  process; never inside graph capture).
+  graph — except where it goes to upstream's op (below), which is upstream's own behaviour.
 - fp16, bf16 and fp32 inputs (fp32 dots run in IEEE fp32, not tf32); head dims 1–256.
 
 Bad input raises ``ValueError`` saying what is wrong. What cannot be checked without a sync (start
@@ -49,23 +47,21 @@ Which kernel runs
 Each kernel's ``plan`` says whether it takes a call; the first that does, in this order, runs it:
 
 1. ``gluon_window_attention.WalkLaunch`` — sliding windows on an NVIDIA Hopper GPU (Gluon);
-2. ``upstream_launch.UpstreamLaunch`` — upstream vLLM's own op, where the vllm-sinks patch
-   registered it (``use_upstream_op``), for the calls it can take (``upstream_may_take``: full
-   attention) when it measured faster than ours on this call signature (``measured_choice``: both
-   timed once, the first time the signature is seen; upstream unless ours is faster by a margin).
-   Its first call of a signature and bound is recorded; later ones launch upstream's kernel again
-   with the same grid and arguments through its C launch, without upstream's Python
-   (``upstream_launch.UpstreamRoute``: same kernel, same output, ~30–45 µs less CPU a call on
-   the H200 machine);
-3. ``prefill_attention_portable.PortableLaunch`` — the portable Triton kernel: every call.
+2. ``gluon_full_attention.FullLaunch`` — no window, on an NVIDIA Hopper GPU (Gluon);
+3. ``prefill_attention_portable.PortableLaunch`` — the portable Triton kernel: every call (and
+   the fallback of a Hopper variant that fails to compile).
 
-A call signature (shapes, strides, dtypes, devices, arguments) is validated and planned once; later
-calls with it go straight to the C launch its kernel took before with the same length bound
-(``Plan.launch_seen``), recognised by their arguments that are not tensors and one C check of
-their tensors' metadata (``signature_cache``; the plan cache's key, ``call_key``, is built on a
-miss only). Calls that upstream's op measured faster on (int bound) are recognised
-the same way (``route_key``) and handed to their route before any of ours runs. A call whose whole
-signature was not validated before never takes either path.
+Where the prefill-op patch registered upstream vLLM's own op (``use_upstream_op``), a call it may
+take (``upstream_may_take``: full attention, no sink, output in the input dtype) goes to it unless
+the shipped table (``full_attention_table``: measured per GPU and Triton release, looked up by
+shape class and length bucket) says ours is faster there; a call with a device-tensor bound, or of
+a class the table cannot decide, goes to upstream's op (never slower than vLLM without the
+plugin). Such a call runs upstream's function as it is, after our cached lookup. Nothing is timed
+or synchronised on the request path.
+
+A call signature (shapes, strides, dtypes, devices, arguments: ``call_key``, a flat tuple, ~3 µs) is
+validated and planned once; later calls with it take the plan from a dict, and ours go straight to
+the C launch its kernel took before with the same length bound (``Plan.launch_seen``).
 """
 
 from __future__ import annotations
@@ -73,9 +69,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from vllm_sinks.v1.attention.ops import kernel_launcher, measured_choice, signature_cache
+from vllm_sinks.v1.attention.ops import full_attention_table, kernel_launcher
 from vllm_sinks.v1.attention.ops.prefill_attention_portable import PortableLaunch
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     Problem,
@@ -84,39 +78,29 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     on_nvidia_gpu,
     validate,
 )
-from vllm_sinks.v1.attention.ops.upstream_launch import UpstreamLaunch
 
 if TYPE_CHECKING:
+    from vllm_sinks.v1.attention.ops.gluon_full_attention import FullLaunch
     from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 
-# ---- upstream's op, where it measured faster ----------------------------------------------------
+# ---- upstream's op, where the table says it is the faster one --------------------------------------
 
 _UPSTREAM: list = []  # [upstream's context_attention_fwd], set by the prefill-op patch
 
 
 def use_upstream_op(fn: Callable | None) -> None:
     """Let calls that upstream's op can take (``upstream_may_take``) go to ``fn`` (upstream vLLM's
-    ``context_attention_fwd``, which the prefill-op patch replaces) where it measures faster; None:
-    never."""
+    ``context_attention_fwd``, which the prefill-op patch replaces) unless the table says ours is
+    faster on their class (``full_attention_table``); None: never."""
     _UPSTREAM[:] = [fn] if fn is not None else []
     _PLANS.clear()
-    _SEEN.clear()
-    _ROUTES.clear()
 
 
 def upstream_may_take(p: Problem) -> bool:
     """Calls upstream's op runs with our semantics on every supported release: plain attention (no
-    window, no sink), output in the input dtype. Which of the two runs such a call is measured
-    (``measured_choice``), per call signature. (In fp32 upstream's dots run in TF32, ours in IEEE
-    fp32: where upstream is chosen, the call gets exactly what vLLM without the plugin gives.)"""
+    window, no sink), output in the input dtype. (In fp32 upstream's dots run in TF32, ours in IEEE
+    fp32: where upstream takes a call, it gets exactly what vLLM without the plugin gives.)"""
     return p.full_attention and p.dtype == p.out_dtype and not p.empty and not p.cu_seqlens
-
-
-def _upstream_launch(p: Problem, args: tuple) -> UpstreamLaunch | None:
-    """Upstream's op as a plan's launch, where it is registered and may take the call."""
-    if not _UPSTREAM or not upstream_may_take(p):
-        return None
-    return UpstreamLaunch(_UPSTREAM[0], *args[7:11])
 
 
 # ---- the op ---------------------------------------------------------------------------------------
@@ -124,30 +108,35 @@ def _upstream_launch(p: Problem, args: tuple) -> UpstreamLaunch | None:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The launches that take one call signature, first choice first (a Hopper launch keeps the
-    portable one as its fallback, for a variant that fails to compile). ``measured``: False for a
-    choice made without timing (in graph capture or tracing), which is not cached."""
+    portable one as its fallback, for a variant that fails to compile), and upstream's op where it
+    may take the call (``route``: the call's class but its length, for the table)."""
 
     walk: WalkLaunch | None
-    upstream: UpstreamLaunch | None
+    full: FullLaunch | None
     portable: PortableLaunch
-    measured: bool = True
-    #: upstream's time / ours, where the choice was timed (for the benchmark's table)
-    speedup: float | None = None
+    upstream: Callable | None = None
+    route: tuple | None = None
     #: length bound -> the direct C launch of the kernel that ran this signature with it
     #: (``DirectLauncher.ready``), for ``launch_seen``; filled by the calls that launch
     _ready: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def kernel(self) -> str:
-        """Which kernel this call signature runs (for the benchmark's table)."""
-        return (self.walk or self.upstream or self.portable).name
+        """Which of our kernels this call signature runs (for the benchmarks' tables)."""
+        return (self.walk or self.full or self.portable).name
+
+    def upstream_takes(self, max_input_len) -> bool:
+        """Whether this call goes to upstream's op: it may take it, and the table does not say ours
+        is faster on its class and length bucket (a device-tensor bound has no host length: upstream)."""
+        if self.upstream is None:
+            return False
+        hint = host_length_bound(max_input_len)
+        return hint is None or not full_attention_table.ours_faster(self.route, hint)
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len):
-        if self.upstream is not None:  # never beside a walk: ``plan`` builds one or the other
-            self.upstream(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
-            return
+        """Launch ours (upstream's op is the caller's to call: ``upstream_takes``)."""
         hint = host_length_bound(max_input_len)
-        launch = self.walk
+        launch = self.walk or self.full
         if launch is None or not launch(q, k, v, o, b_start_loc, b_seq_len, sinks, hint):
             launch = self.portable
             launch(q, k, v, o, b_start_loc, b_seq_len, sinks, hint)
@@ -183,69 +172,40 @@ class Plan:
 def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, softmax_scale=None,
          sliding_window_q=None, sliding_window_k=None, sinks=None, sinks_bias_key0=False,
          cu_seqlens: bool = False) -> Plan:
-    """Validate a call (``context_attention_fwd``'s arguments) and choose its kernel. Where
-    upstream's op may take the call too, both run on these tensors (``o`` is written) and the
-    faster is chosen (``measured_choice``). ``cu_seqlens`` (the MiMo wrapper's calls only):
-    b_start_loc and b_seq_len are one tensor of cumulative offsets [num_seqs + 1], which the
-    kernels read as is (``Problem.cu_seqlens``); the launches then take it in both places."""
-    args = (q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
-            sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
-    p = validate(*args, cu_seqlens=cu_seqlens)
-    walk = None
+    """Validate a call (``context_attention_fwd``'s arguments) and choose its kernels; nothing runs.
+    ``cu_seqlens`` (the MiMo wrapper's calls only): b_start_loc and b_seq_len are one tensor of
+    cumulative offsets [num_seqs + 1], which the kernels read as is (``Problem.cu_seqlens``); the
+    launches then take it in both places."""
+    p = validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
+                 sliding_window_q, sliding_window_k, sinks, sinks_bias_key0, cu_seqlens=cu_seqlens)
+    walk = full = None
     if on_nvidia_gpu(p.device):
-        # Imported at the first call on an NVIDIA GPU, not with this module: Gluon and the kernel's
+        # Imported at the first call on an NVIDIA GPU, not with this module: Gluon and the kernels'
         # definitions are ~80 % of the op's import (benchmarks/plugin_load.py), and no other
         # platform can run them.
         from vllm_sinks.v1.attention.ops.gluon_full_attention import FullLaunch
         from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 
-        walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks) or \
-            FullLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
-    ours = Plan(walk, None, PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks))
-    upstream = _upstream_launch(p, args)
-    if upstream is None:
-        return ours
-    theirs = Plan(None, upstream, ours.portable)
-    if not measured_choice.may_measure(p.device):
-        return dataclasses.replace(theirs, measured=False)  # upstream's own behaviour; not cached
-    try:
-        ours_wins, speedup = measured_choice.challenger_wins(
-            lambda: theirs(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len),
-            lambda: ours(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len))
-    except Exception:  # noqa: BLE001 - ours failed (a ptxas crash: D 32 under 3.7.1's, session 14)
-        # or upstream did (then its own call raises the same again): upstream's behaviour
-        ours_wins, speedup = False, float("nan")
-    return dataclasses.replace(ours if ours_wins else theirs, speedup=speedup)
+        walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
+        if walk is None:
+            full = FullLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
+    portable = PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
+    if not _UPSTREAM or not upstream_may_take(p):
+        return Plan(walk, full, portable)
+    route = full_attention_table.route_prefix(p.device, p.head_dim, p.dtype, p.is_causal,
+                                              p.q_heads, p.kv_heads)
+    return Plan(walk, full, portable, _UPSTREAM[0], route)
 
 
 # Plans by call signature: a ViT calls the op with the same shapes in every layer, and the checks
-# and planning cost ~20 µs of Python, more than the kernel on small inputs.
+# and planning cost ~20 µs of Python, more than the kernel on small inputs; the key ~3.
 _PLANS: dict = {}
 _PLANS_MAX = 512
-# The same plans by the arguments that are not tensors -> ((the C check of a validated signature's
-# tensors, its plan), ...) (``signature_cache``): a seen signature costs ~1 µs of Python where its
-# call key costs ~3 (the key is built on a miss only).
-_SEEN: dict = {}
-# Calls that go to upstream's op, by route key (``route_key``: the arguments that are not tensors)
-# -> ((the C check of a validated signature's tensors, upstream's op), ...) (``signature_cache``): a
-# call that passes a check was validated and planned before, and is handed to upstream with
-# nothing of ours run again; any other goes through the checks and the plans.
-_ROUTES: dict = {}
-
-
-def route_key(max_input_len, is_causal, softmax_scale, sliding_window_q, sliding_window_k,
-              sinks_bias_key0):
-    """What of a routable call (no sinks, an int bound) its tensors' check does not hold: the
-    arguments that are not tensors. ``context_attention_fwd`` builds the same tuple inline (a
-    function call is a tenth of the budget of a routed call); the bound's value is in it because
-    which op is faster depends on it."""
-    return (max_input_len, is_causal, softmax_scale, sliding_window_q, sliding_window_k,
-            sinks_bias_key0)
 
 
 def remember(key, chosen: Plan) -> Plan:
-    """Cache a plan under a call key (None: not cacheable) unless its choice was not measured."""
-    if key is not None and chosen.measured:
+    """Cache a plan under a call key (None: not cacheable)."""
+    if key is not None:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
         _PLANS[key] = chosen
@@ -259,38 +219,6 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
 
     See the module docstring for the semantics. Raises ``ValueError`` on bad input.
     """
-    if _ROUTES and sinks is None and type(max_input_len) is int:  # maybe a routed signature
-        try:  # route_key, inline
-            route = _ROUTES.get((max_input_len, is_causal, softmax_scale, sliding_window_q,
-                                 sliding_window_k, sinks_bias_key0))
-        except TypeError:  # unhashable arguments: validate says what is wrong
-            route = None
-        for check, upstream in route or ():
-            if check(q, k, v, o, b_start_loc, b_seq_len):
-                upstream(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
-                         softmax_scale, sliding_window_q, sliding_window_k)
-                return
-    # A signature of ours seen before: the arguments that are not tensors (the bound's kind, not its
-    # value, as in call_key), then one C check of the tensors' metadata (signature_cache).
-    sink_tensor = signature_cache.NO_SINKS if sinks is None else sinks
-    try:
-        if isinstance(max_input_len, torch.Tensor):
-            seen_key, bound_tensor = (is_causal, softmax_scale, sliding_window_q, sliding_window_k,
-                                      sinks is None, sinks_bias_key0), max_input_len
-        else:
-            seen_key, bound_tensor = (is_causal, softmax_scale, sliding_window_q, sliding_window_k,
-                                      sinks is None, sinks_bias_key0, type(max_input_len),
-                                      max_input_len >= 0), signature_cache.INT_BOUND
-        seen = _SEEN.get(seen_key)
-    except TypeError:  # unhashable or incomparable arguments: validate says what is wrong
-        seen_key = seen = None
-    for check, chosen in seen or ():
-        if check(q, k, v, o, b_start_loc, b_seq_len, sink_tensor, bound_tensor):
-            if not chosen._ready or not chosen.launch_seen(
-                    q, k, v, o, sinks, host_length_bound(max_input_len), b_start_loc.data_ptr(),
-                    b_seq_len.data_ptr()):
-                chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)
-            return
     key = call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
                    sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     chosen = _PLANS.get(key) if key is not None else None
@@ -298,14 +226,13 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
         chosen = remember(key, plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
                                     softmax_scale, sliding_window_q, sliding_window_k, sinks,
                                     sinks_bias_key0))
-    if chosen.measured:  # validated: the next call with this signature skips all of the above
-        if chosen.upstream is not None and type(max_input_len) is int:  # straight to upstream
-            signature_cache.remember(_ROUTES, route_key(max_input_len, is_causal, softmax_scale,
-                                                        sliding_window_q, sliding_window_k,
-                                                        sinks_bias_key0),
-                                     (q, k, v, o, b_start_loc, b_seq_len),
-                                     chosen.upstream.route(max_input_len).entry())
-        elif seen_key is not None:
-            signature_cache.remember(_SEEN, seen_key, (q, k, v, o, b_start_loc, b_seq_len,
-                                                       sink_tensor, bound_tensor), chosen)
+    if chosen.upstream is not None and chosen.upstream_takes(max_input_len):
+        # upstream's own function, as vLLM without the plugin calls it (no sink: none passed, which
+        # also suits releases whose op has no sink arguments)
+        chosen.upstream(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
+                        sliding_window_q, sliding_window_k)
+        return
+    if chosen._ready and chosen.launch_seen(q, k, v, o, sinks, host_length_bound(max_input_len),
+                                            b_start_loc.data_ptr(), b_seq_len.data_ptr()):
+        return
     chosen(q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len)

@@ -1,0 +1,305 @@
+"""The op on a server's stream: every pass brings shapes not seen before (issue 30, item 3).
+
+    python3 benchmarks/kernels/benchmark_stream.py [--peers .gpu/peers] [--passes 48] [--out DIR]
+    TRITON_INTERPRET=1 python3 benchmarks/kernels/benchmark_stream.py --cpu-smoke   # CPU: it runs
+
+A fresh process per path, so that nothing of one path is seen by another, each on a warmed GPU
+(``gpu_warmup``), after one throwaway process that ran every path once, so that Triton's disk
+cache holds every kernel and no compile is timed:
+
+- ``upstream``: upstream's op alone (vLLM without the plugin: its own ``context_attention_fwd``,
+  and MiMo's window layers as upstream's ``_forward_window_attn`` calls it);
+- ``patched``: our front door with upstream's op registered (``use_upstream_op``, as the prefill-op
+  patch does) and the shipped table (``full_attention_table``); MiMo through the patched layer;
+- ``ours``: our front door with no upstream registered;
+- ``patched, no table``: as ``patched`` with no table read (every class to the fallback: upstream).
+
+Workloads, each ``--passes`` passes of 1–3 images whose token counts are drawn per pass (seeded)
+from ``--tokens`` (64–16384), 24 layers each, then the same passes again ("seen again"):
+
+- ``full``: full attention, 16 heads, head dim 80, bf16, as vLLM's Triton ViT wrapper calls the op
+  (``b_start_loc = cu_seqlens[:-1]``, ``b_seq_len`` their differences, a fresh output, the
+  longest image's tokens as a Python int, ``is_causal=False``);
+- ``mimo``: MiMo-V2.5's window layers, 32/8 heads, head dim 64, window 64, key-0 sinks,
+  ``cu_seqlens`` on the GPU and ``max_seqlen`` a host tensor (``benchmark_mimo_pass``'s layer).
+
+Per pass: wall clock between two synchronisations; per path and workload the total, median and p90
+per pass, for first sight and seen again, and the ratio of upstream's to each. Each layer reads
+its own q / k / v (four sets in turn, the longest pass's size, views of their first rows). Also
+reported: what was measured at run time (the op's own synchronisations, counted by a wrapper
+around ``torch.cuda.synchronize``: none is expected) and, for the patched path, how many classes
+the table gave ours. Writes ``stream.md`` / ``stream.json`` to ``--out`` (default ``$OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PATHS = ("upstream", "patched", "ours", "patched, no table")
+LAYERS, POOL = 24, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    passes: int = 48
+    layers: int = LAYERS
+    tokens: tuple[int, int] = (64, 16384)
+    images: tuple[int, int] = (1, 3)
+    dtype: str = "bfloat16"
+    full_heads: tuple[int, int, int] = (16, 16, 80)  # query heads, KV heads, head dim
+    mimo_heads: tuple[int, int, int] = (32, 8, 64)
+    window: int = 64
+    seed: int = 0
+    device: str = "cuda"
+
+
+#: --cpu-smoke: the same code on Triton's interpreter, small enough to run in a test
+SMOKE = Config(passes=2, layers=2, tokens=(8, 40), dtype="float32", full_heads=(2, 2, 16),
+               mimo_heads=(4, 2, 16), window=4, device="cpu")
+
+
+def stream_of_passes(cfg: Config) -> list[list[int]]:
+    """Per pass, the images' token counts (a new draw per pass, seeded)."""
+    rng = random.Random(cfg.seed)
+    return [[rng.randint(*cfg.tokens) for _ in range(rng.randint(*cfg.images))]
+            for _ in range(cfg.passes)]
+
+
+def _sync(device: str):
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+# ---- one process: one path's workloads ------------------------------------------------------------
+
+class SyncCounter:
+    """Counts and times ``torch.cuda.synchronize`` calls made by anyone but the harness (which holds
+    the original): the op's run-time measurement, were there any."""
+
+    def __init__(self):
+        self.original, self.calls, self.seconds = torch.cuda.synchronize, 0, 0.0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        self.calls += 1
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def full_layers(cfg: Config, path: str, upstream):
+    """(a layer call ``f(q, k, v, cu_seqlens, max_len)``, the input pool) for the ``full`` workload."""
+    from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+
+    hq, hkv, d = cfg.full_heads
+    fwd = upstream.raw if path == "upstream" else op.context_attention_fwd
+    scale = d ** -0.5
+
+    def layer(q, k, v, cu_seqlens, max_len):  # vLLM's Triton ViT wrapper's call
+        o = torch.empty_like(q)
+        fwd(q, k, v, o, cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1], max_len, False, scale)
+        return o
+
+    return layer, _pool(cfg, hq, hkv, d, fused=False)
+
+
+def mimo_layers(cfg: Config, path: str, upstream):
+    """The same for the ``mimo`` workload: the patched layer (ours) or upstream's pattern around
+    upstream's op, bound to a stand-in of the layer (its sinks, window, scale)."""
+    from benchmarks.kernels.benchmark_mimo_pass import upstream_window_layer
+    from benchmarks.kernels.host_cost import vision_attention_stand_in
+    from vllm_sinks.model_executor.models.mimo_v2_omni import make_forward_window_attn
+
+    hq, hkv, d = cfg.mimo_heads
+    g = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 1)
+    attn = vision_attention_stand_in(
+        (torch.randn(hq, device=cfg.device, generator=g) * 2).to(getattr(torch, cfg.dtype)),
+        window=cfg.window, scale=d ** -0.5)
+    forward = upstream_window_layer(upstream) if path == "upstream" else make_forward_window_attn("key0")
+
+    def layer(q, k, v, cu_seqlens, max_len):
+        return forward(attn, q, k, v, cu_seqlens, torch.tensor(max_len))  # a host 0-d tensor
+
+    return layer, _pool(cfg, hq, hkv, d, fused=True)
+
+
+def _pool(cfg: Config, hq: int, hkv: int, d: int, fused: bool) -> list:
+    """POOL (q, k, v) sets of the longest pass's size; MiMo's v is a view of a fused projection."""
+    rows = cfg.tokens[1] * cfg.images[1]
+    g = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 2)
+    dtype = getattr(torch, cfg.dtype)
+    pool = []
+    for _ in range(POOL):
+        q = torch.randn(rows, hq, d, device=cfg.device, generator=g).to(dtype)
+        k = torch.randn(rows, hkv, d, device=cfg.device, generator=g).to(dtype)
+        if fused:
+            v = torch.randn(rows, hq + 2 * hkv, d, device=cfg.device, generator=g).to(dtype)[:, hq + hkv:]
+        else:
+            v = torch.randn(rows, hkv, d, device=cfg.device, generator=g).to(dtype)
+        pool.append((q, k, v))
+    return pool
+
+
+def run_passes(cfg: Config, layer, pool, stream, sync) -> list[float]:
+    """ms per pass: the pass's layers between two synchronisations, each output dropped before the
+    next layer (as in the tower)."""
+    times = []
+    for lens in stream:
+        tokens = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                          device=cfg.device)
+        views = [(q[:tokens], k[:tokens], v[:tokens]) for q, k, v in pool]
+        max_len = max(lens)
+        sync()
+        t0 = time.perf_counter()
+        for i in range(cfg.layers):
+            layer(*views[i % POOL], cu, max_len)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def child(path: str, cfg: Config, peers_dir, workloads: list[str]) -> dict:
+    """One path's workloads in this process: first sight, then seen again."""
+    from benchmarks.kernels import peers
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
+    from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+
+    upstream = peers.upstream_op(peers_dir)
+    if upstream is None:
+        raise SystemExit("upstream's op did not load")
+    op.use_upstream_op(upstream.raw if path in ("patched", "patched, no table") else None)
+    fat.use_table_dir(None if path == "patched, no table" else fat.SHIPPED_DIR)
+    sync = _sync(cfg.device)
+    counter = None
+    if cfg.device == "cuda":
+        from benchmarks.kernels.gpu_warmup import warm_gpu
+
+        warm_gpu()
+        counter = SyncCounter()
+        torch.cuda.synchronize = counter  # the harness keeps the original in ``sync``
+    stream = stream_of_passes(cfg)
+    result = dict(path=path)
+    for name in workloads:
+        layer, pool = (full_layers if name == "full" else mimo_layers)(cfg, path, upstream)
+        first = run_passes(cfg, layer, pool, stream, sync)
+        again = run_passes(cfg, layer, pool, stream, sync)
+        result[name] = dict(first=first, again=again)
+        del pool
+    result["op_syncs"] = 0 if counter is None else counter.calls
+    result["op_sync_ms"] = 0.0 if counter is None else counter.seconds * 1e3
+    decisions = list(fat._DECISIONS.values())
+    result["classes_ours"], result["classes_upstream"] = sum(decisions), len(decisions) - sum(decisions)
+    return result
+
+
+# ---- the parent: one process per path ------------------------------------------------------------------
+
+def spawn(paths: list[str], args, cfg: Config, out_file: Path) -> None:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *paths, "--result", str(out_file),
+           "--passes", str(cfg.passes), "--workloads", args.workloads]
+    if args.peers:
+        cmd += ["--peers", args.peers]
+    if args.cpu_smoke:
+        cmd.append("--cpu-smoke")
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def summary(ms: list[float]) -> dict:
+    ordered = sorted(ms)
+    return dict(total=sum(ms), median=statistics.median(ms),
+                p90=ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)])
+
+
+def markdown(results: list[dict], header: str, workloads: list[str]) -> str:
+    cols = ["workload", "path", "first sight: total ms", "median", "p90", "× upstream (total, p90)",
+            "seen again: total ms", "median", "p90", "× upstream (total, p90)"]
+    out = [header, "", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+    base = {w: {k: summary(r[w][k]) for k in ("first", "again")} for r in results
+            if r["path"] == "upstream" for w in workloads}
+    for w in workloads:
+        for r in results:
+            cells = [w, r["path"]]
+            for k in ("first", "again"):
+                s, b = summary(r[w][k]), base.get(w, {}).get(k)
+                ratio = "—" if b is None else f"{b['total'] / s['total']:.2f}×, {b['p90'] / s['p90']:.2f}×"
+                cells += [f"{s['total']:.1f}", f"{s['median']:.2f}", f"{s['p90']:.2f}", ratio]
+            out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    for r in results:
+        out.append(f"- {r['path']}: measured at run time: {r['op_syncs']} synchronisations inside "
+                   f"the op ({r['op_sync_ms']:.1f} ms), no timing; table classes decided: "
+                   f"{r['classes_ours']} ours, {r['classes_upstream']} upstream")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--peers", default=None)
+    ap.add_argument("--passes", type=int, default=None)
+    ap.add_argument("--workloads", default="full,mimo")
+    ap.add_argument("--out", default=os.environ.get("OUT") or None)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny, on Triton's interpreter")
+    ap.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    cfg = SMOKE if args.cpu_smoke else Config()
+    if args.passes is not None:
+        cfg = dataclasses.replace(cfg, passes=args.passes)
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the op modules import Triton
+    elif not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --cpu-smoke)")
+    workloads = args.workloads.split(",")
+    if args.child:  # in a child process: the paths named, one after another (the warm-up: all)
+        results = [child(path, cfg, args.peers, workloads) for path in args.child]
+        Path(args.result).write_text(json.dumps(results))
+        return results
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(list(PATHS), args, cfg, Path(tmp) / "warm-up.json")  # Triton's disk cache, thrown away
+        warm_s = time.perf_counter() - t0
+        results = []
+        for i, path in enumerate(PATHS):
+            out_file = Path(tmp) / f"{i}.json"
+            spawn([path], args, cfg, out_file)
+            results += json.loads(out_file.read_text())
+    import triton
+
+    device = "CPU (interpreter)" if args.cpu_smoke else torch.cuda.get_device_name()
+    header = (f"A server's stream: {cfg.passes} passes of {cfg.images[0]}–{cfg.images[1]} images of "
+              f"{cfg.tokens[0]}–{cfg.tokens[1]} tokens (new per pass), {cfg.layers} layers, a fresh "
+              f"process per path after a warm-up process; full: {cfg.full_heads[0]}/"
+              f"{cfg.full_heads[1]} heads, D {cfg.full_heads[2]}; mimo: {cfg.mimo_heads[0]}/"
+              f"{cfg.mimo_heads[1]} heads, D {cfg.mimo_heads[2]}, window {cfg.window}, key-0 sinks; "
+              f"{cfg.dtype}; {device}, torch {torch.__version__}, triton {triton.__version__}; "
+              f"ms per pass, wall clock, synchronised per pass")
+    md = markdown(results, header, workloads)
+    print("\n" + md)
+    print(f"[stream] took {time.perf_counter() - t0:.1f} s (warm-up process {warm_s:.1f} s)")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, "stream.md").write_text(md)
+        Path(args.out, "stream.json").write_text(json.dumps(dict(config=dataclasses.asdict(cfg),
+                                                                 results=results), indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""Measure ours against upstream's op on full attention, per shape class, and write the table the
+front door reads (``vllm_sinks/v1/attention/ops/full_attention_table.py``) for this GPU and Triton.
+
+    python3 benchmarks/kernels/tune_full_attention.py [--peers .gpu/peers] [--out DIR] [--jobs 15]
+    python3 benchmarks/kernels/tune_full_attention.py --dry-run --tables-dir /tmp/t   # CPU, fake ops
+
+On the GPU machine (no vLLM: upstream's op is vLLM 0.33.0's file, ``peers.upstream_op``), under the
+Triton (and ptxas) users compile with: ``run_on_device.sh tune``. For every class of the grid (head
+dims, dtypes, causal or not, query / KV heads, length buckets 2**6 … 2**14):
+
+- three variants of the bucket: one sequence at its top (2**b), one sequence of a length drawn in
+  the bucket, and a batch of lengths drawn in it (8 sequences, fewer on the longest buckets);
+  token counts are multiples of 16, so that each class compiles one variant of each kernel per
+  sequence count (Triton specialises integer arguments on divisibility by 16);
+- each op as a user's eager call sees it: ``n`` calls back to back between two synchronisations,
+  host cost included (``n`` fills ~``BLOCK_S``, 2 to 32 calls), after one untimed call; ``ROUNDS``
+  rounds, the two ops in turn and the order swapped every round; the best block of each counts;
+- ours is the front door with no upstream registered (``use_upstream_op(None)``: the kernels we
+  ship), upstream is its raw ``context_attention_fwd``;
+- the class's ratio is the worst variant's upstream time / ours (0 where ours failed); the verdict
+  is "ours" only where that ratio is at least 1 / ``full_attention_table.MARGIN``.
+
+Compiling is most of the cost on a fresh machine (~1–2 s per kernel variant): with ``--jobs N``
+(default: the CPU count - 1, at most 15) worker processes first make one call of each op on each
+variant, so that Triton's disk cache holds every compiled kernel before the timing starts. The
+grid's counts (classes, variants, kernels to compile) print first, the time each stage took last;
+the default grid is meant to take under 150 s on an H200 (``--grid quick``: two groups).
+
+Writes ``<gpu>_sm<cc>_triton-<major.minor>.json`` into the package's tables folder (``--tables-dir``
+elsewhere) and into ``--out``/tables (default ``$OUT``: what comes back from the device), reads it
+back through the lookup and prints the table. ``--dry-run``: the same loop on the CPU with stand-in
+ops of known speed and a tiny grid, for the unit test (``tests/unit/test_tune_full_attention.py``);
+it never writes the package's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from vllm_sinks.v1.attention.ops import full_attention_table as fat  # noqa: E402
+
+#: (head dim, dtype, causal) groups. Non-causal is what the op's full-attention callers pass (vLLM's
+#: ViT wrapper, encoder-only attention); causal is measured on the head dims decoders use.
+DEFAULT_GROUPS = (
+    [(d, dt, False) for dt in ("bfloat16", "float16") for d in (32, 64, 72, 80, 96, 112, 128, 256)]
+    + [(d, dt, True) for dt in ("bfloat16", "float16") for d in (64, 80, 128)])
+QUICK_GROUPS = [(80, "bfloat16", False), (64, "bfloat16", False)]
+#: (query heads, KV heads): head buckets 2, 4 and 5, GQA ratios 1 and 4.
+HEADS = ((4, 4), (16, 16), (32, 8))
+LENGTH_BUCKETS = tuple(range(fat.MIN_LENGTH_BUCKET, 15))
+#: A timed block's target length (s), its bounds in calls, the rounds per op.
+BLOCK_S, MIN_CALLS, MAX_CALLS, ROUNDS = 2e-3, 2, 32, 2
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: --dry-run: one group, one head shape, four buckets (the lookup interpolates between them).
+DRY_GROUPS, DRY_HEADS, DRY_BUCKETS = [(80, "bfloat16", False)], ((16, 16),), (6, 8, 10, 12)
+DRY_IDENTITY = ("dry-run CPU", (0, 0))
+#: Our kernels' sources: the table's "kernels" field says which code it measured.
+KERNEL_FILES = ("prefill_attention_portable.py", "gluon_full_attention.py",
+                "prefill_attention_problem.py", "kernel_launcher.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    kind: str  # "top", "one", "batch"
+    lens: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        if len(self.lens) == 1:
+            return f"1x{self.lens[0]}"
+        return f"{len(self.lens)}x({min(self.lens)}..{max(self.lens)})"
+
+
+def variants(bucket: int, seed: int = 0) -> list[Variant]:
+    """The bucket's variants: lengths in (2**(b-1), 2**b] (every length up to 64 for the smallest
+    bucket, measured in (32, 64]), token counts multiples of 16, drawn from a seeded generator."""
+    top, low = 2 ** bucket, 2 ** (bucket - 1)
+    rng = random.Random(seed * 1009 + bucket)
+    one = 16 * rng.randint(low // 16 + 1, top // 16)
+    lens = [rng.randint(low + 1, top) for _ in range(max(2, min(8, 2 ** (15 - bucket))))]
+    extra = sum(lens) % 16
+    if extra:  # one length moved within the bucket so that the total is a multiple of 16
+        i = min(range(len(lens)), key=lambda j: abs(lens[j] - (low + top) // 2))
+        lens[i] += -extra if lens[i] - extra > low else 16 - extra
+    out = [Variant("top", (top,)), Variant("one", (one,)), Variant("batch", tuple(lens))]
+    for v in out:
+        assert fat.length_bucket(max(v.lens)) == bucket and sum(v.lens) % 16 == 0, v
+    return out
+
+
+def inputs(head_dim, dtype, hq, hkv, lens, device, fill=True):
+    tokens = sum(lens)
+    make = torch.randn if fill else torch.empty
+    q = make(tokens, hq, head_dim, device=device, dtype=dtype)
+    k = make(tokens, hkv, head_dim, device=device, dtype=dtype)
+    v = make(tokens, hkv, head_dim, device=device, dtype=dtype)
+    lengths = torch.tensor(lens, dtype=torch.int32, device=device)
+    starts = torch.zeros_like(lengths)
+    starts[1:] = torch.cumsum(lengths, 0)[:-1]
+    return q, k, v, torch.empty_like(q), starts, lengths
+
+
+# ---- the two ops ------------------------------------------------------------------------------------
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def dry_ours(q, k, v, o, starts, lens, max_len, causal):
+    """--dry-run's stand-in for ours: fast on short sequences, slow on long ones."""
+    _busy(50e-6 if max_len <= 256 else 400e-6)
+
+
+def dry_upstream(q, k, v, o, starts, lens, max_len, causal):
+    _busy(200e-6)
+
+
+def ops(dry_run: bool, peers_dir):
+    """(ours, upstream, synchronise): each op called as ``op(q, k, v, o, starts, lens, max_len,
+    causal)``; upstream None where it does not load (printed why)."""
+    if dry_run:
+        return dry_ours, dry_upstream, lambda: None
+    from benchmarks.kernels import peers
+    from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+
+    op.use_upstream_op(None)  # ours: our kernels only
+    up = peers.upstream_op(peers_dir)
+    upstream = None if up is None else (
+        lambda q, k, v, o, s, n, m, c: up.raw(q, k, v, o, s, n, m, c))
+    return (lambda q, k, v, o, s, n, m, c: op.context_attention_fwd(q, k, v, o, s, n, m, c),
+            upstream, torch.cuda.synchronize)
+
+
+# ---- compiling first, in parallel ---------------------------------------------------------------------
+
+def _compile_unit(unit: tuple, dry_run: bool, peers_dir, buckets: tuple) -> tuple[tuple, float, list]:
+    """One call of each op on every variant of one (group, heads) pair: what the timing will run,
+    compiled into Triton's disk cache. Runs in a worker process."""
+    t0 = time.perf_counter()
+    (head_dim, dtype, causal), (hq, hkv) = unit
+    ours, upstream, sync = ops(dry_run, peers_dir)
+    device = "cpu" if dry_run else "cuda"
+    errors = []
+    for bucket in buckets:
+        for var in variants(bucket):
+            args = inputs(head_dim, DTYPES[dtype], hq, hkv, var.lens, device, fill=False)
+            for name, fn in (("ours", ours), ("upstream", upstream)):
+                if fn is None:
+                    continue
+                try:
+                    fn(*args, max(var.lens), causal)
+                except Exception as e:  # noqa: BLE001 - the timing records it again
+                    errors.append(f"{name} {var.label}: {type(e).__name__}: {e}"[:200])
+            del args
+    sync()
+    return unit, time.perf_counter() - t0, errors
+
+
+def compile_first(units: list, jobs: int, dry_run: bool, peers_dir, buckets) -> float:
+    """Fill Triton's disk cache with ``jobs`` worker processes; seconds it took."""
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(_compile_unit, u, dry_run, peers_dir, buckets) for u in units]
+        for f in concurrent.futures.as_completed(futures):
+            unit, seconds, errors = f.result()
+            for e in errors[:2]:
+                print(f"[compile] {unit}: {e}", flush=True)
+    return time.perf_counter() - t0
+
+
+# ---- timing -----------------------------------------------------------------------------------------------
+
+def block_s(fn, calls: int, sync) -> float:
+    """Wall-clock seconds of ``calls`` calls back to back between two synchronisations."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def time_pair(ours, upstream, sync) -> tuple[float, float]:
+    """(ours, upstream) seconds per call, each the best of ROUNDS blocks, the ops interleaved."""
+    fns = (ours, upstream)
+    calls = [max(MIN_CALLS, min(MAX_CALLS, int(BLOCK_S / max(block_s(f, 1, sync), 1e-7))))
+             for f in fns]
+    best = [float("inf")] * 2
+    for r in range(ROUNDS):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            best[i] = min(best[i], block_s(fns[i], calls[i], sync) / calls[i])
+    return best[0], best[1]
+
+
+def measure_class(group, heads, bucket, ours, upstream, sync, device, fill) -> dict | None:
+    """One class's entry (ShapeClass fields, worst ratio, its variants), or None where upstream's
+    op failed (the class is then left out: upstream's own behaviour)."""
+    head_dim, dtype, causal = group
+    hq, hkv = heads
+    rows = []
+    for var in variants(bucket):
+        args = inputs(head_dim, DTYPES[dtype], hq, hkv, var.lens, device, fill)
+        bound = max(var.lens)
+        run_up = lambda: upstream(*args, bound, causal)  # noqa: E731
+        run_ours = lambda: ours(*args, bound, causal)  # noqa: E731
+        try:
+            run_up()
+        except Exception as e:  # noqa: BLE001
+            print(f"[tune] upstream fails on {group} {heads} {var.label}: {type(e).__name__}: {e}"[:300])
+            return None
+        try:
+            run_ours()
+        except Exception as e:  # noqa: BLE001 - e.g. a ptxas crash: the class is upstream's
+            rows.append(dict(variant=var.label, lengths=list(var.lens), ours_us=None, upstream_us=None,
+                             ratio=0.0, error=f"{type(e).__name__}: {e}"[:200]))
+            continue
+        t_ours, t_up = time_pair(run_ours, run_up, sync)
+        rows.append(dict(variant=var.label, lengths=list(var.lens), ours_us=round(t_ours * 1e6, 2),
+                         upstream_us=round(t_up * 1e6, 2), ratio=round(t_up / t_ours, 4)))
+        del args
+    c = fat.ShapeClass(head_dim, dtype, causal, hq // hkv, fat.heads_bucket(hq), bucket)
+    return dict(dataclasses.asdict(c), ratio=min(r["ratio"] for r in rows), variants=rows)
+
+
+# ---- the table --------------------------------------------------------------------------------------------
+
+def kernels_fingerprint() -> str:
+    h = hashlib.sha256()
+    for name in KERNEL_FILES:
+        path = ROOT / "vllm_sinks" / "v1" / "attention" / "ops" / name
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def print_table(doc: dict) -> None:
+    """Per (group, heads): the ratio per length bucket, ``*`` where ours is chosen."""
+    rows: dict = {}
+    for e in doc["entries"]:
+        key = (e["head_dim"], e["dtype"], e["causal"], e["queries_per_kv"], e["heads_bucket"])
+        rows.setdefault(key, {})[e["length_bucket"]] = e
+    buckets = sorted({e["length_bucket"] for e in doc["entries"]})
+    print(f"\nupstream time / ours per class ({doc['gpu']}, Triton {doc['triton']}; * = ours, "
+          f"ratio >= 1/{doc['margin']}); columns: longest sequence <= 2**b\n")
+    print("| D | dtype | causal | q/kv | heads <= | " + " | ".join(f"b{b}" for b in buckets) + " |")
+    print("|---" * (5 + len(buckets)) + "|")
+    for (d, dtype, causal, qpk, hb), by_bucket in sorted(rows.items()):
+        cells = [f"{by_bucket[b]['ratio']:.2f}" + ("*" if by_bucket[b]["verdict"] == "ours" else "")
+                 if b in by_bucket else "—" for b in buckets]
+        print(f"| {d} | {dtype} | {'yes' if causal else 'no'} | {qpk} | {2 ** hb} | "
+              + " | ".join(cells) + " |")
+
+
+def dumps(doc: dict) -> str:
+    """The document as JSON, one entry a line (a diff of two tables then reads class by class)."""
+    head = json.dumps({k: v for k, v in doc.items() if k != "entries"}, indent=1)
+    entries = ",\n".join("  " + json.dumps(e) for e in doc["entries"])
+    return f'{head[:-2]},\n "entries": [\n{entries}\n ]\n}}\n'
+
+
+def write(doc: dict, directories: list[Path]) -> list[Path]:
+    name = fat.table_name(doc["gpu"], tuple(doc["capability"]), doc["triton"])
+    text = dumps(doc)
+    assert json.loads(text) == doc
+    paths = []
+    for d in directories:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(text)
+        paths.append(d / name)
+    return paths
+
+
+def check_round_trip(path: Path, doc: dict) -> None:
+    """The written file, read back as the front door reads it, decides every class as measured."""
+    table = fat.load_table(path)
+    for e in doc["entries"]:
+        c = fat.ShapeClass(*(e[f.name] for f in dataclasses.fields(fat.ShapeClass)))
+        assert table.decide(c) is (e["verdict"] == "ours"), (path, c)
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--peers", default=None, help="fetch_peers.sh's folder (default .gpu/peers)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or None, help="also write DIR/tables")
+    ap.add_argument("--tables-dir", default=None, help="write the table here, not into the package")
+    ap.add_argument("--grid", choices=("default", "quick"), default="default")
+    ap.add_argument("--jobs", type=int, default=min(15, max(1, (os.cpu_count() or 2) - 1)),
+                    help="worker processes compiling first (1: none)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, stand-in ops, a tiny grid")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    import triton
+
+    if args.dry_run:
+        groups, heads_list, buckets = DRY_GROUPS, DRY_HEADS, DRY_BUCKETS
+        (gpu, cap), device, fill = DRY_IDENTITY, "cpu", False
+        if args.tables_dir is None:
+            sys.exit("--dry-run writes only where --tables-dir says")
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU (or --dry-run)")
+        groups = DEFAULT_GROUPS if args.grid == "default" else QUICK_GROUPS
+        heads_list, buckets = HEADS, LENGTH_BUCKETS
+        gpu, cap = torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability())
+        device, fill = "cuda", True
+    ours, upstream, sync = ops(args.dry_run, args.peers)
+    if upstream is None:
+        sys.exit("upstream's op did not load: nothing to measure against")
+    units = [(g, h) for g in groups for h in heads_list]
+    n_classes = len(units) * len(buckets)
+    ours_kernels = len(units) * 2  # one sequence or several (token counts all multiples of 16)
+    upstream_kernels = len(groups) * len({hq // hkv for hq, hkv in heads_list})
+    print(f"[tune] {gpu} sm_{cap[0]}{cap[1]}, torch {torch.__version__}, triton {triton.__version__}: "
+          f"{len(groups)} groups x {len(heads_list)} head shapes x {len(buckets)} length buckets = "
+          f"{n_classes} classes, {3 * n_classes} variants; kernels to compile: ~{ours_kernels} of ours "
+          f"(portable; more where a Hopper kernel takes the calls) + {upstream_kernels} of "
+          f"upstream's", flush=True)
+    compile_s = 0.0
+    if args.jobs > 1:
+        compile_s = compile_first(units, args.jobs, args.dry_run, args.peers, buckets)
+        print(f"[tune] compiled in {args.jobs} workers: {compile_s:.1f} s", flush=True)
+    if not args.dry_run:
+        from benchmarks.kernels.gpu_warmup import warm_gpu
+
+        warm_gpu()
+    t_measure = time.perf_counter()
+    entries = []
+    for group, heads in units:
+        for bucket in buckets:
+            entry = measure_class(group, heads, bucket, ours, upstream, sync, device, fill)
+            if entry is not None:
+                entries.append(entry)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    measure_s = time.perf_counter() - t_measure
+    about = dict(torch=torch.__version__, triton_full=triton.__version__,
+                 ptxas=os.environ.get("TRITON_PTXAS_BLACKWELL_PATH") or os.environ.get("TRITON_PTXAS_PATH")
+                 or "triton's default", upstream=_upstream_source(args.peers, args.dry_run),
+                 kernels=kernels_fingerprint(), measured=datetime.datetime.now(datetime.timezone.utc)
+                 .strftime("%Y-%m-%dT%H:%M:%SZ"), by="benchmarks/kernels/tune_full_attention.py",
+                 seconds=round(time.perf_counter() - t_start, 1))
+    doc = fat.table_document(gpu, cap, triton.__version__, entries, **about)
+    directories = [Path(args.tables_dir) if args.tables_dir else fat.SHIPPED_DIR]
+    if args.out:
+        directories.append(Path(args.out) / "tables")
+    paths = write(doc, directories)
+    for p in paths:
+        check_round_trip(p, doc)
+    print_table(doc)
+    ours_n = sum(e["verdict"] == "ours" for e in doc["entries"])
+    print(f"\n[tune] {len(entries)} classes ({ours_n} ours); wrote {', '.join(map(str, paths))}")
+    print(f"[tune] took {time.perf_counter() - t_start:.1f} s (compile {compile_s:.1f} s, timing "
+          f"{measure_s:.1f} s)", flush=True)
+    return paths[0]
+
+
+def _upstream_source(peers_dir, dry_run: bool) -> str:
+    if dry_run:
+        return "dry-run stand-in"
+    from benchmarks.kernels import peers
+
+    source = Path(peers_dir or peers.DEFAULT_DIR) / "SOURCE"
+    return source.read_text().splitlines()[0] if source.is_file() else "unknown"
+
+
+if __name__ == "__main__":
+    main()

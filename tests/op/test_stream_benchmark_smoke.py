@@ -1,0 +1,43 @@
+"""The stream benchmark's whole loop on the CPU (``--cpu-smoke``: Triton's interpreter, tiny
+shapes, one pass): a warm-up process and one process per path, both workloads, first sight and
+seen again, and the report, so that it does not crash on its first run on the device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.kernels import benchmark_stream as stream
+from benchmarks.kernels import peers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_stream_of_passes_is_new_shapes_and_seeded():
+    cfg = stream.Config()
+    passes = stream.stream_of_passes(cfg)
+    assert passes == stream.stream_of_passes(cfg) and len(passes) == cfg.passes
+    assert all(1 <= len(p) <= 3 and all(64 <= n <= 16384 for n in p) for p in passes)
+    assert len({sum(p) for p in passes}) > 0.9 * cfg.passes  # token counts (call signatures) rarely repeat
+
+
+def test_a_cpu_smoke_run_reports_every_path_and_workload(tmp_path):
+    if peers.upstream_module() is None:
+        import pytest
+
+        pytest.skip("upstream op not fetched (benchmarks/kernels/fetch_peers.sh .gpu/peers)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/kernels/benchmark_stream.py"), "--cpu-smoke",
+                    "--passes", "1", "--out", str(tmp_path)], check=True, env=env, timeout=600,
+                   capture_output=True)
+    results = json.loads((tmp_path / "stream.json").read_text())["results"]
+    assert [r["path"] for r in results] == list(stream.PATHS)
+    for r in results:
+        for w in ("full", "mimo"):
+            assert len(r[w]["first"]) == len(r[w]["again"]) == 1 and r[w]["first"][0] > 0
+        assert r["op_syncs"] == 0
+    table = (tmp_path / "stream.md").read_text()
+    assert table.count("| full |") == table.count("| mimo |") == len(stream.PATHS)

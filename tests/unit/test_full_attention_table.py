@@ -1,0 +1,204 @@
+"""The full-attention table: bucketing, the neighbour rule, the fallbacks, the file format, and the
+process-wide lookup the front door makes (device identity stood in for: no GPU here)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from vllm_sinks.v1.attention.ops import full_attention_table as fat
+
+H200 = ("NVIDIA H200", (9, 0), "3.8.0")
+
+
+def entry(length_bucket, ratio, head_dim=80, dtype="bfloat16", causal=False, qpk=1, hb=4):
+    return dict(head_dim=head_dim, dtype=dtype, causal=causal, queries_per_kv=qpk, heads_bucket=hb,
+                length_bucket=length_bucket, ratio=ratio)
+
+
+def table(*entries, gpu=H200) -> fat.Table:
+    return fat.parse_table(fat.table_document(gpu[0], gpu[1], gpu[2], list(entries)))
+
+
+def cls(length_bucket, head_dim=80, dtype="bfloat16", causal=False, qpk=1, hb=4):
+    return fat.ShapeClass(head_dim, dtype, causal, qpk, hb, length_bucket)
+
+
+@pytest.mark.parametrize("n, bucket", [(0, 6), (1, 6), (64, 6), (65, 7), (128, 7), (129, 8),
+                                       (16384, 14), (16385, 15)])
+def test_length_bucket(n, bucket):
+    assert fat.length_bucket(n) == bucket
+
+
+@pytest.mark.parametrize("h, bucket", [(1, 0), (2, 1), (4, 2), (5, 3), (16, 4), (25, 5), (32, 5)])
+def test_heads_bucket(h, bucket):
+    assert fat.heads_bucket(h) == bucket
+
+
+def test_names():
+    assert fat.gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert fat.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert fat.table_name("NVIDIA H200", (9, 0), "3.9.0") == "nvidia-h200_sm90_triton-3.9.json"
+    assert fat.table_name("NVIDIA H200", (9, 0), "3.8.1+git") == "nvidia-h200_sm90_triton-3.8.json"
+    with pytest.raises(fat.TableError, match="major.minor"):
+        fat.triton_release("nightly")
+
+
+def test_shape_class_of_a_call():
+    c = fat.shape_class(80, torch.bfloat16, False, 16, 16, 1000)
+    assert c == cls(10)
+    assert fat.shape_class(128, torch.float16, True, 32, 8, 64) == cls(6, 128, "float16", True, 4, 5)
+
+
+def test_the_verdict_follows_the_ratio_and_the_margin():
+    t = table(entry(8, 1.0 / fat.MARGIN + 1e-9), entry(9, 1.0 / fat.MARGIN - 1e-3), entry(10, 0.8))
+    assert t.decide(cls(8)) is True
+    assert t.decide(cls(9)) is False  # faster, but not by the margin
+    assert t.decide(cls(10)) is False
+
+
+def test_a_class_between_agreeing_neighbours_takes_their_verdict():
+    t = table(entry(7, 1.3), entry(10, 1.2), entry(12, 0.9), entry(14, 0.8))
+    assert t.decide(cls(8)) is True and t.decide(cls(9)) is True  # between 7 and 10: both ours
+    assert t.decide(cls(11)) is None  # between ours (10) and upstream (12)
+    assert t.decide(cls(13)) is False  # between two upstream verdicts
+    assert t.decide(cls(6)) is None and t.decide(cls(15)) is None  # beyond the measured range
+
+
+def test_neighbours_along_heads_and_gqa_ratio():
+    t = table(entry(10, 1.2, hb=2), entry(10, 1.3, hb=5), entry(10, 1.2, qpk=1, hb=4),
+              entry(10, 1.2, qpk=8, hb=4))
+    assert t.decide(cls(10, hb=3)) is True  # between head buckets 2 and 4
+    assert t.decide(cls(10, qpk=4)) is True  # between ratios 1 and 8
+    assert t.decide(cls(10, hb=6)) is None  # no measured bucket above
+    assert t.decide(cls(10, hb=3, qpk=4)) is None  # two coordinates off: no neighbour agrees on the rest
+
+
+def test_axes_that_disagree_leave_the_class_undecided():
+    t = table(entry(9, 1.2), entry(11, 1.2),  # along the length: ours
+              entry(10, 0.8, hb=3), entry(10, 0.9, hb=5))  # along the heads: upstream
+    assert t.decide(cls(10)) is None
+
+
+@pytest.mark.parametrize("other", [dict(head_dim=96), dict(dtype="float16"), dict(causal=True),
+                                   dict(dtype="float32")])
+def test_an_unmeasured_group_is_undecided(other):
+    t = table(entry(9, 1.2), entry(11, 1.2))
+    assert t.decide(cls(10, **other)) is None
+
+
+# ---- the file format ------------------------------------------------------------------------------
+
+def good_document():
+    return fat.table_document(*H200, [entry(10, 1.2), entry(11, 0.9)], measured_by="test")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(format="something else"), "format must be"),
+    (lambda d: d.update(version=2), "version must be 1"),
+    (lambda d: d.update(capability=[9]), "capability must be"),
+    (lambda d: d.update(triton="3.8.0"), "triton must be major.minor"),
+    (lambda d: d.update(margin=1.5), "margin must be"),
+    (lambda d: d.update(entries={}), "entries must be a list"),
+    (lambda d: d["entries"][0].pop("ratio"), "entry 0 has no 'ratio'"),
+    (lambda d: d["entries"][1].update(verdict="ours"), "entry 1: verdict 'ours' does not follow"),
+    (lambda d: d["entries"][0].update(verdict="maybe"), "verdict must be one of"),
+    (lambda d: d["entries"][0].update(ratio=float("nan")), "ratio must be a finite number >= 0"),
+    (lambda d: d["entries"][0].update(head_dim=300), "head_dim must be an int in 1..256"),
+    (lambda d: d["entries"][0].update(dtype="int8"), "dtype must be one of"),
+    (lambda d: d["entries"][0].update(causal="no"), "causal must be true or false"),
+    (lambda d: d["entries"][0].update(length_bucket=3), "length_bucket must be an int in 6..64"),
+    (lambda d: d["entries"].append(dict(d["entries"][0])), "entry 2 repeats the class"),
+])
+def test_a_malformed_table_says_what_is_wrong(edit, match):
+    doc = good_document()
+    edit(doc)
+    with pytest.raises(fat.TableError, match=match):
+        fat.parse_table(doc, "t.json")
+
+
+def test_a_table_round_trips_through_its_file(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(good_document()))
+    t = fat.load_table(path)
+    assert (t.gpu, t.capability, t.triton, t.margin) == ("NVIDIA H200", (9, 0), "3.8", fat.MARGIN)
+    assert t.decide(cls(10)) is True and t.decide(cls(11)) is False
+
+
+def test_a_file_that_is_not_json_names_itself(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text("{ not json")
+    with pytest.raises(fat.TableError, match="broken.json"):
+        fat.load_table(path)
+
+
+def test_the_shipped_tables_parse_and_are_named_for_what_they_hold():
+    for path in sorted(fat.SHIPPED_DIR.glob("*.json")):
+        t = fat.load_table(path)
+        assert path.name == fat.table_name(t.gpu, t.capability, t.triton), path
+        assert t.entries, path
+
+
+# ---- the process-wide lookup ------------------------------------------------------------------------
+
+@pytest.fixture
+def on_h200(monkeypatch, tmp_path):
+    """Tables read from a scratch folder, on a device that says it is an H200 under Triton 3.8."""
+    identity = {"value": H200}
+    monkeypatch.setattr(fat, "device_identity", lambda device: identity["value"])
+    fat.use_table_dir(tmp_path)
+    yield tmp_path, identity
+    fat.use_table_dir()
+
+
+def write(directory, doc, gpu=H200):
+    (directory / fat.table_name(*gpu)).write_text(json.dumps(doc))
+
+
+PREFIX = fat.route_prefix(torch.device("cpu"), 80, torch.bfloat16, False, 16, 16)
+
+
+def test_lookup_reads_this_devices_table_once_and_caches_each_class(on_h200, monkeypatch):
+    directory, _ = on_h200
+    write(directory, good_document())
+    real, loads = fat.load_table, []
+    monkeypatch.setattr(fat, "load_table", lambda path: loads.append(path) or real(path))
+    assert fat.ours_faster(PREFIX, 1000) is True  # bucket 10
+    assert fat.ours_faster(PREFIX, 600) is True  # bucket 10 too
+    assert fat.ours_faster(PREFIX, 2000) is False  # bucket 11
+    assert fat.ours_faster(PREFIX, 5000) is False  # bucket 13: beyond what was measured
+    assert len(loads) == 1 and len(fat._DECISIONS) == 3
+
+
+@pytest.mark.parametrize("identity", [("NVIDIA H100 80GB HBM3", (9, 0), "3.8.0"),
+                                      ("NVIDIA H200", (9, 0), "3.9.0"),
+                                      None])  # another GPU, another Triton, not a CUDA device
+def test_no_table_for_this_device_falls_back_to_upstream(on_h200, identity):
+    directory, current = on_h200
+    write(directory, good_document())
+    current["value"] = identity
+    assert fat.ours_faster(PREFIX, 1000) is False
+
+
+def test_no_tables_at_all_falls_back_to_upstream(on_h200):
+    directory, _ = on_h200
+    write(directory, good_document())
+    fat.use_table_dir(None)
+    assert fat.ours_faster(PREFIX, 1000) is False
+
+
+@pytest.mark.parametrize("content", ["{ not json", json.dumps({"format": "other"}),
+                                     json.dumps(fat.table_document("NVIDIA A100", (8, 0), "3.8.0",
+                                                                   [entry(10, 1.2)]))])
+def test_a_malformed_table_warns_once_and_falls_back(on_h200, content):
+    directory, _ = on_h200
+    (directory / fat.table_name(*H200)).write_text(content)
+    with pytest.warns(UserWarning, match="full-attention table ignored"):
+        assert fat.ours_faster(PREFIX, 1000) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fat.ours_faster(PREFIX, 1000) is False
+        assert fat.ours_faster(PREFIX, 100) is False  # another class: the table is not read again

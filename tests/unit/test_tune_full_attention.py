@@ -1,0 +1,44 @@
+"""The tune script's loop on the CPU (``--dry-run``: stand-in ops whose speed is known, compiled
+first in worker processes as on the device): the file it writes parses, decides what was measured,
+and generalises through the lookup as the front door reads it."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import triton
+
+from benchmarks.kernels import tune_full_attention as tune
+from vllm_sinks.v1.attention.ops import full_attention_table as fat
+
+
+def test_variants_stay_in_their_bucket_with_token_counts_of_16():
+    for bucket in tune.LENGTH_BUCKETS:
+        kinds = [v.kind for v in tune.variants(bucket)]  # each checks its own bucket and total
+        assert kinds == ["top", "one", "batch"]
+    assert tune.variants(9) == tune.variants(9)  # seeded: the workers compile what is timed
+
+
+def test_a_dry_run_writes_a_table_the_lookup_reads(tmp_path, monkeypatch):
+    tables, out = tmp_path / "tables", tmp_path / "out"
+    path = tune.main(["--dry-run", "--tables-dir", str(tables), "--out", str(out), "--jobs", "2"])
+    assert path.parent == tables and (out / "tables" / path.name).read_text() == path.read_text()
+    gpu, cap = tune.DRY_IDENTITY
+    assert path.name == fat.table_name(gpu, cap, json.loads(path.read_text())["triton_full"])
+    table = fat.load_table(path)
+    verdicts = {c.length_bucket: ours for c, (ours, _) in table.entries.items()}
+    # the stand-ins: ours 4x faster up to 256 tokens, 2x slower beyond
+    assert verdicts == {6: True, 8: True, 10: False, 12: False}
+    d, dtype, causal = tune.DRY_GROUPS[0]
+    hq, hkv = tune.DRY_HEADS[0]
+    monkeypatch.setattr(fat, "device_identity", lambda device: (gpu, cap, triton.__version__))
+    fat.use_table_dir(tables)
+    try:
+        prefix = fat.route_prefix(torch.device("cpu"), d, tune.DTYPES[dtype], causal, hq, hkv)
+        assert fat.ours_faster(prefix, 100) is True  # bucket 7: between two ours verdicts
+        assert fat.ours_faster(prefix, 400) is False  # bucket 9: between ours and upstream
+        assert fat.ours_faster(prefix, 3000) is False  # bucket 12, measured
+        assert fat.ours_faster(prefix, 10000) is False  # beyond the grid
+    finally:
+        fat.use_table_dir()

@@ -1,0 +1,311 @@
+"""Which op runs a full-attention call that upstream's op may take: a shipped table of measurements.
+
+Where the prefill-op patch registered upstream vLLM's op (``triton_prefill_attention.use_upstream_op``),
+a call both ops can run (full attention, no sink, output in the input dtype) goes to ours only where
+ours measured faster on calls of its *shape class*, on this GPU and Triton. Nothing is timed on the
+request path: the measurements are data files shipped in the package (``tables/*.json``), written
+by ``benchmarks/kernels/tune_full_attention.py`` on the GPU, one file per GPU and Triton release
+(the scheme of vLLM's fused-MoE configs: tuned per device, looked up by bucketed shape).
+
+A shape class is (head dim, dtype, causal, query heads per KV head, query-head bucket, length
+bucket): ``heads_bucket(h)`` is the smallest ``b`` with ``h <= 2**b`` and ``length_bucket(n)`` the
+same for the host bound on the longest sequence (``max_input_len``), at least ``MIN_LENGTH_BUCKET``
+(every bound up to 64 is one bucket). A call whose bound is a device tensor has no host length:
+upstream's op takes it (what vLLM without the plugin runs).
+
+Lookup (``Table.decide``) of a class on the device's table:
+
+1. measured: its verdict;
+2. not measured, in a measured (head dim, dtype, causal) group: along each axis (length bucket,
+   query-head bucket, queries per KV head) the nearest measured classes below and above that
+   agree with it on the other two; an axis with both votes their verdict where they agree. The
+   class takes a verdict only where at least one axis votes and no axis (or pair) disagrees;
+3. anything else — another head dim or dtype, a class beyond the measured range on every axis,
+   neighbours that disagree, no table for this GPU / Triton, a table that does not parse — is
+   the fallback: upstream's op, which is never slower than vLLM without the plugin.
+
+Each entry holds the measured ratio (upstream's time / ours, the worst of the class's variants; 0
+where ours failed) and the verdict it implies: "ours" only where ours took at most ``MARGIN`` of upstream's time on
+every variant, so the decision is data, not code (a verdict its ratio does not support is a
+malformed table). Decisions are cached per class and device in a dict: a stream of new shapes costs
+one dict lookup per new call signature, nothing on the device. A malformed table never fails a
+user's call: it warns once and every class of that device falls back.
+
+The table read may be pointed elsewhere (``use_table_dir``: the tune script's fresh table, the
+stream benchmark's fallback run, tests); this module imports torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+FORMAT = "vllm-sinks full-attention table"
+VERSION = 1
+#: Ours must take at most this share of upstream's time on every variant of a class to run it: a
+#: win smaller than what a few timed rounds resolve (a few % between runs on the H200) stays
+#: upstream's, where a wrong choice would cost the caller.
+MARGIN = 0.93
+#: The smallest length bucket: every bound up to 2**6 = 64 tokens (the calls are host-bound there).
+MIN_LENGTH_BUCKET = 6
+#: Where the package's tables are (package data: pyproject.toml ships ``tables/*.json``).
+SHIPPED_DIR = Path(__file__).resolve().with_name("tables")
+VERDICTS = ("ours", "upstream")
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+class TableError(ValueError):
+    """A table file that does not hold what this module reads (says which file and what)."""
+
+
+def length_bucket(max_len: int) -> int:
+    """The smallest ``b >= MIN_LENGTH_BUCKET`` with ``max_len <= 2**b``."""
+    return max(MIN_LENGTH_BUCKET, (max_len - 1).bit_length())
+
+
+def heads_bucket(q_heads: int) -> int:
+    """The smallest ``b`` with ``q_heads <= 2**b``."""
+    return (q_heads - 1).bit_length()
+
+
+def gpu_slug(name: str) -> str:
+    """``torch.cuda.get_device_name`` as a file-name part: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def triton_release(version: str) -> str:
+    """Triton's ``major.minor`` ("3.8.0" -> "3.8"): patch releases share a table."""
+    parts = version.split(".")
+    if len(parts) < 2 or not parts[0].isdigit() or not parts[1].isdigit():
+        raise TableError(f"Triton version {version!r} is not major.minor[.patch]")
+    return f"{parts[0]}.{parts[1]}"
+
+
+def table_name(gpu_name: str, capability: tuple[int, int], triton_version: str) -> str:
+    """The file name of one GPU's table under one Triton release."""
+    major, minor = capability
+    return f"{gpu_slug(gpu_name)}_sm{major}{minor}_triton-{triton_release(triton_version)}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeClass:
+    head_dim: int
+    dtype: str  # a DTYPE_NAMES value
+    causal: bool
+    queries_per_kv: int
+    heads_bucket: int
+    length_bucket: int
+
+    @property
+    def group(self) -> tuple:
+        return (self.head_dim, self.dtype, self.causal)
+
+    @property
+    def coordinates(self) -> tuple[int, int, int]:
+        """Where the class sits in its group, in the order the lookup's axes are tried."""
+        return (self.length_bucket, self.heads_bucket, self.queries_per_kv)
+
+
+def shape_class(head_dim: int, dtype: torch.dtype, causal: bool, q_heads: int, kv_heads: int,
+                max_len: int) -> ShapeClass:
+    return ShapeClass(head_dim, DTYPE_NAMES.get(dtype, str(dtype)), bool(causal), q_heads // kv_heads,
+                      heads_bucket(q_heads), length_bucket(max_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """One GPU's measurements under one Triton release."""
+
+    gpu: str
+    capability: tuple[int, int]
+    triton: str  # major.minor
+    margin: float
+    #: class -> (ours faster, ratio upstream / ours)
+    entries: dict
+
+    def decide(self, c: ShapeClass) -> bool | None:
+        """True: ours; False: upstream's op; None: the table cannot say (the caller falls back)."""
+        hit = self.entries.get(c)
+        if hit is not None:
+            return hit[0]
+        votes = set()
+        coords = c.coordinates
+        for axis in range(len(coords)):
+            below = above = None  # (distance, verdict) of the nearest measured class each side
+            for other, (ours, _) in self.entries.items():
+                oc = other.coordinates
+                if other.group != c.group or any(oc[i] != coords[i] for i in range(3) if i != axis):
+                    continue
+                step = oc[axis] - coords[axis]
+                if step > 0 and (above is None or step < above[0]):
+                    above = (step, ours)
+                elif step < 0 and (below is None or -step < below[0]):
+                    below = (-step, ours)
+            if below is not None and above is not None:
+                votes.add(below[1] if below[1] == above[1] else None)
+        if len(votes) != 1 or None in votes:
+            return None
+        return votes.pop()
+
+
+def _need(cond: bool, source: str, what: str) -> None:
+    if not cond:
+        raise TableError(f"{source}: {what}")
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _entry(e, source: str, where: str, margin: float) -> tuple[ShapeClass, tuple[bool, float]]:
+    _need(isinstance(e, dict), source, f"{where} is not an object")
+    for key in ("head_dim", "dtype", "causal", "queries_per_kv", "heads_bucket", "length_bucket",
+                "verdict", "ratio"):
+        _need(key in e, source, f"{where} has no {key!r}")
+    _need(_int(e["head_dim"]) and 1 <= e["head_dim"] <= 256, source,
+          f"{where}: head_dim must be an int in 1..256, got {e['head_dim']!r}")
+    _need(e["dtype"] in DTYPE_NAMES.values(), source,
+          f"{where}: dtype must be one of {sorted(DTYPE_NAMES.values())}, got {e['dtype']!r}")
+    _need(isinstance(e["causal"], bool), source, f"{where}: causal must be true or false")
+    for key, low in (("queries_per_kv", 1), ("heads_bucket", 0), ("length_bucket", MIN_LENGTH_BUCKET)):
+        _need(_int(e[key]) and low <= e[key] <= 64, source,
+              f"{where}: {key} must be an int in {low}..64, got {e[key]!r}")
+    ratio = e["ratio"]
+    # 0: ours failed on the class (a compile error), which is upstream's
+    _need(isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
+          and ratio >= 0, source, f"{where}: ratio must be a finite number >= 0, got {ratio!r}")
+    _need(e["verdict"] in VERDICTS, source,
+          f"{where}: verdict must be one of {VERDICTS}, got {e['verdict']!r}")
+    ours = e["verdict"] == "ours"
+    # The verdict is what the ratio implies (ours at most ``margin`` of upstream's time): an entry
+    # whose verdict its measurement does not support is an edited or broken file.
+    _need(ours == (ratio * margin >= 1.0), source,
+          f"{where}: verdict {e['verdict']!r} does not follow from ratio {ratio} at margin {margin}")
+    c = ShapeClass(e["head_dim"], e["dtype"], e["causal"], e["queries_per_kv"], e["heads_bucket"],
+                   e["length_bucket"])
+    return c, (ours, float(ratio))
+
+
+def parse_table(data, source: str = "table") -> Table:
+    """A table from its JSON document (``json.load``'s result); TableError says what is wrong."""
+    _need(isinstance(data, dict), source, "not a JSON object")
+    _need(data.get("format") == FORMAT, source, f"format must be {FORMAT!r}, got {data.get('format')!r}")
+    _need(data.get("version") == VERSION, source,
+          f"version must be {VERSION}, got {data.get('version')!r}")
+    gpu, cap, release, margin = (data.get(k) for k in ("gpu", "capability", "triton", "margin"))
+    _need(isinstance(gpu, str) and gpu, source, "gpu must be the device name (a string)")
+    _need(isinstance(cap, list) and len(cap) == 2 and all(map(_int, cap)), source,
+          f"capability must be [major, minor], got {cap!r}")
+    _need(isinstance(release, str) and re.fullmatch(r"\d+\.\d+", release) is not None, source,
+          f"triton must be major.minor, got {release!r}")
+    _need(isinstance(margin, (int, float)) and not isinstance(margin, bool) and 0 < margin <= 1,
+          source, f"margin must be in (0, 1], got {margin!r}")
+    entries = data.get("entries")
+    _need(isinstance(entries, list), source, "entries must be a list")
+    table: dict = {}
+    for i, e in enumerate(entries):
+        c, value = _entry(e, source, f"entry {i}", float(margin))
+        _need(c not in table, source, f"entry {i} repeats the class of an earlier entry: {c}")
+        table[c] = value
+    return Table(gpu, (cap[0], cap[1]), release, float(margin), table)
+
+
+def load_table(path: str | Path) -> Table:
+    """Read and check one table file; TableError (with the path) when it does not parse."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise TableError(f"{path}: {type(e).__name__}: {e}") from e
+    return parse_table(data, str(path))
+
+
+def table_document(gpu: str, capability: tuple[int, int], triton_version: str, entries: list[dict],
+                   margin: float = MARGIN, **about) -> dict:
+    """The JSON document of a table (what the tune script writes), checked by ``parse_table``.
+    ``entries``: one dict per class (ShapeClass's fields, ``ratio``, anything informational such as
+    ``variants``); each verdict is derived here from its ratio. ``about``: provenance fields."""
+    rows = [dict(e, verdict="ours" if e["ratio"] * margin >= 1.0 else "upstream") for e in entries]
+    doc = dict(format=FORMAT, version=VERSION, gpu=gpu, capability=list(capability),
+               triton=triton_release(triton_version), margin=margin, **about, entries=rows)
+    parse_table(doc, f"table for {gpu}")
+    return doc
+
+
+# ---- the process-wide lookup the front door makes -------------------------------------------------
+
+_DIR: list = [SHIPPED_DIR]  # where tables are read from (None: nowhere, every class falls back)
+_TABLES: dict = {}  # (device type, index) -> Table or None (no table, or one that did not parse)
+_DECISIONS: dict = {}  # (class prefix with its device, length bucket) -> ours faster
+
+
+def use_table_dir(directory: str | Path | None = SHIPPED_DIR) -> None:
+    """Read tables from ``directory`` from now on (None: none at all, every class falls back to
+    upstream's op); forgets the tables and decisions read so far."""
+    _DIR[:] = [None if directory is None else Path(directory)]
+    _TABLES.clear()
+    _DECISIONS.clear()
+
+
+def device_identity(device: tuple[str, int | None]) -> tuple[str, tuple[int, int], str] | None:
+    """(device name, compute capability, Triton version) a table is chosen by, for a (device type,
+    index) pair; None off a CUDA device (no tables there)."""
+    kind, index = device
+    if kind != "cuda":
+        return None
+    import triton
+
+    return (torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index)),
+            triton.__version__)
+
+
+def _table_for(device: tuple) -> Table | None:
+    if device not in _TABLES:
+        _TABLES[device] = None
+        directory, identity = _DIR[0], device_identity(device)
+        if directory is not None and identity is not None:
+            name, cap, version = identity
+            path = directory / table_name(name, cap, version)
+            if path.is_file():
+                try:
+                    table = load_table(path)
+                    _need(gpu_slug(table.gpu) == gpu_slug(name) and table.capability == tuple(cap)
+                          and table.triton == triton_release(version), str(path),
+                          f"measured on {table.gpu} sm_{table.capability[0]}{table.capability[1]} "
+                          f"under Triton {table.triton}, not on this device")
+                    _TABLES[device] = table
+                except TableError as e:
+                    warnings.warn(f"vllm-sinks: full-attention table ignored, upstream's op takes "
+                                  f"the calls it may take on this device: {e}", stacklevel=4)
+    return _TABLES[device]
+
+
+def route_prefix(device: torch.device, head_dim: int, dtype: torch.dtype, causal: bool, q_heads: int,
+                 kv_heads: int) -> tuple:
+    """What of a call's class is fixed by its call signature (all but the length), with its device:
+    the front door works it out once per plan and passes it to ``ours_faster`` with each call's
+    bound."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return ((device.type, index), head_dim, DTYPE_NAMES.get(dtype, str(dtype)), bool(causal),
+            q_heads // kv_heads, heads_bucket(q_heads))
+
+
+def ours_faster(prefix: tuple, max_len: int) -> bool:
+    """Whether ours runs a call of this class prefix (``route_prefix``) and host length bound; one
+    dict lookup once its class was decided in this process."""
+    key = (prefix, length_bucket(max_len))
+    verdict = _DECISIONS.get(key)
+    if verdict is None:
+        device, *fields = prefix
+        table = _table_for(device)
+        verdict = bool(table is not None and table.decide(ShapeClass(*fields, key[1])))
+        _DECISIONS[key] = verdict
+    return verdict
