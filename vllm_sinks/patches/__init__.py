@@ -4,13 +4,17 @@ Each entry says which upstream object it edits (target), the upstream modules wh
 (``modules``: nothing is patched, or imported by us, before vLLM imports one of them), which of our
 modules mirrors that upstream file (fork), why, how, the upstream PR it carries or works around, and
 when it can be deleted. The same entries drive the one-line startup report
-(``registry.register_all``), ``vllm-sinks report`` and the table in docs/patches.md
+(``lifecycle.register_all``), ``vllm-sinks report`` and the table in docs/patches.md
 (``vllm-sinks docs``; a test keeps them in step).
+
+Imports run one way: ``vllm_sinks.env`` (settings) <- ``registry`` (what a patch is) <- this list <-
+``lifecycle`` (runs it in each process), ``report``, ``docs``.
 
 Opt out of one patch with its env var (``Patch.env_var``): ``VLLM_SINKS_<NAME>=off``; ``on`` applies
 it even where upstream has its own fix. ``VLLM_PLUGINS`` (vLLM's own) turns the whole plugin off.
 """
 
+from vllm_sinks.env import OTHER_SETTINGS, Setting
 from vllm_sinks.patches.registry import Patch, check_order
 
 # ---- version facts: each stated once, here (the README and docs/patches.md render them) ---------
@@ -350,3 +354,6 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 check_order(PATCHES)
+
+#: Every env var the package reads: the per-patch switches, then the others (vllm_sinks/env.py).
+SETTINGS: tuple[Setting, ...] = tuple(p.setting for p in PATCHES) + OTHER_SETTINGS
