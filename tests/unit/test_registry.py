@@ -242,3 +242,14 @@ def test_stacked_patches_on_one_method_install_once_each():
     assert not install.install(owner, "method", upper, "upper")
     assert owner.method() == "upper>lower>upstream"
     assert install.upstream(owner.method)() == "upstream"
+
+
+def test_the_report_names_every_patch(monkeypatch):
+    # `vllm-sinks report`'s text, here with no vLLM in range: each patch on its own line, skipped.
+    from vllm_sinks.patches.report import format_report
+
+    _use(monkeypatch, *PATCHES, version="0.40.0")
+    text = format_report(_info("0.40.0"))
+    assert text.startswith(f"vllm-sinks   {vllm_sinks.__version__}\n")
+    for patch in PATCHES:
+        assert any(line.split()[:2] == [patch.name, "skipped"] for line in text.splitlines()), text
