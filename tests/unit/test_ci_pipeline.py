@@ -194,6 +194,7 @@ def test_the_built_wheel_is_installed_beside_the_newest_cpu_release(pipeline):
     text = TEST_SH.read_text()
     assert "WHEEL_ROW=$(\"${PYTHON:-python3}\" scripts/ci_matrix.py --wheel-row)" in text
     assert 'if [ "$name" = "$WHEEL_ROW" ]; then run_wheel_install "$name" "$venv"' in text
-    assert "pip wheel --no-deps" in text and "vllm-sinks\" report" in text
+    assert "-m pip wheel . --no-deps" in text and "-m pip install --quiet --disable-pip-version-check ." in text
+    assert "vllm-sinks\" report" in text
     labels = {step["key"]: step["label"] for step in pipeline["steps"]}
     assert labels["cpu-" + newest.replace(".", "-")].endswith("+ the built wheel beside it")
