@@ -166,6 +166,9 @@ class Patch:
     hooks: str  # module holding probe(info) and apply(info)
     #: What it fixes, in a sentence or two for the README's patch table (docs.py renders it).
     summary: str = ""
+    #: On which vLLM releases it changes something, and what it does on the others: the line of
+    #: CHANGELOG.md and docs/patches.md that users read when they upgrade vLLM (docs.py renders it).
+    releases: str = ""
     #: Upstream modules whose import arms the patch. Its probe + apply run once, right after the first
     #: of them has finished importing (at register time if one already has); after it applied, apply
     #: runs again each time another of them (or the same one, on reload) finishes importing, so a
