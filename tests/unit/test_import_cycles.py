@@ -133,7 +133,8 @@ def test_a_circle_through_a_function_level_import_is_found(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "env.py").write_text("def documented():\n    from pkg.sub import LIST\n    return LIST\n")
-    (pkg / "sub" / "__init__.py").write_text("from pkg.sub.registry import Patch\nfrom . import other\nLIST = ()\n")
+    (pkg / "sub" / "__init__.py").write_text(
+        "from pkg.sub.registry import Patch\nfrom . import other\nLIST = ()\n")
     (pkg / "sub" / "registry.py").write_text("from pkg import env\nfrom pkg.sub import other\nPatch = object\n")
     (pkg / "sub" / "other.py").write_text("import os\n")
     graph = import_graph(pkg)
