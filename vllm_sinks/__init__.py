@@ -3,7 +3,9 @@
 vLLM calls :func:`register` (entry point ``vllm.general_plugins``) in each of its processes.
 """
 
-__version__ = "0.1.0"
+from vllm_sinks.version import __version__
+
+__all__ = ["__version__", "register"]
 
 
 def register():
@@ -12,6 +14,6 @@ def register():
 
     Returns the per-patch results (vLLM ignores them; tests and tools read them).
     """
-    from vllm_sinks.patches.registry import register_all
+    from vllm_sinks.patches.lifecycle import register_all
 
     return register_all()

@@ -1,7 +1,7 @@
 """`vllm-sinks` command line (also `python -m vllm_sinks`).
 
     vllm-sinks report            versions and each patch's status here, without starting an engine
-    vllm-sinks docs [--check]    (re)write the registry's tables in README.md and docs/patches.md
+    vllm-sinks docs [--check]    (re)write the generated blocks of README.md, docs/patches.md, CHANGELOG.md
     vllm-sinks diff [...]        differential check: vLLM prompt logprobs vs HF eager on tiny models
     vllm-sinks verify [...]      the differential check for every sink family, patch on and off
     vllm-sinks verify --model PATH [...]   the same check on your checkpoint (HF eager reference)
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("report", help="versions and patch statuses").set_defaults(func=_report)
-    docs = sub.add_parser("docs", help="write the registry's tables into README.md and docs/patches.md")
+    docs = sub.add_parser("docs", help="write the generated blocks of README.md, docs/patches.md and "
+                                       "CHANGELOG.md")
     docs.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
     docs.add_argument("--root", type=pathlib.Path, default=None,
                       help="the source checkout to edit (default: the one the current directory is in)")

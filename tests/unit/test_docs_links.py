@@ -1,8 +1,8 @@
 """Docs and scripts name only what exists: relative links, repo paths, modules, and no machine paths.
 
-Reads README.md, DEVELOPERS.md and docs/**/*.md (links, `backticked` repo paths and dotted
-``vllm_sinks`` modules, anchors into markdown files), and the repo's scripts (repo paths they name in
-comments or code). A path of a machine (``/work/...``, ``/root/...``, a home directory) cannot be
+Reads README.md, DEVELOPERS.md, CHANGELOG.md and docs/**/*.md (links, `backticked` repo paths and
+dotted ``vllm_sinks`` modules, anchors into markdown files), and the repo's scripts (repo paths they
+name in comments or code). A path of a machine (``/work/...``, ``/root/...``, a home directory) cannot be
 opened by a reader and fails anywhere in them.
 """
 
@@ -16,7 +16,8 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOCS = sorted([ROOT / "README.md", ROOT / "DEVELOPERS.md", *(ROOT / "docs").rglob("*.md")])
+DOCS = sorted([ROOT / "README.md", ROOT / "DEVELOPERS.md", ROOT / "CHANGELOG.md",
+               *(ROOT / "docs").rglob("*.md")])
 SCRIPTS = sorted(p for folder in ("scripts", "benchmarks", ".ci", ".buildkite")
                  for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in ("", ".sh", ".py", ".yml", ".yaml", ".txt"))
 

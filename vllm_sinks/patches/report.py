@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Status, apply_everything, detect_vllm
+from vllm_sinks import patches
+from vllm_sinks.patches.lifecycle import apply_everything
+from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Status, VllmInfo, detect_vllm
+from vllm_sinks.version import __version__
 
 
-def format_report() -> str:
-    from vllm_sinks import __version__
-    from vllm_sinks.patches import PATCHES
-
-    info = detect_vllm()
+def format_report(info: VllmInfo | None = None) -> str:
+    """The report for ``info`` (default: the installed vLLM)."""
+    listed = patches.PATCHES  # read now: tests swap the list
+    info = info or detect_vllm()
     # Unlike vLLM's processes (where each patch waits for vLLM to import its modules), the report
     # imports every target module and applies here: the full picture; drift shows up in apply() too.
     results = apply_everything(info)
@@ -21,10 +23,10 @@ def format_report() -> str:
         f"torch        {info.torch or 'not installed'}",
         "",
     ]
-    width = max(len(p.name) for p in PATCHES)
-    env_width = max(len(p.env_var) for p in PATCHES)
+    width = max(len(p.name) for p in listed)
+    env_width = max(len(p.env_var) for p in listed)
     status_width = max(len(s.value) for s in Status)
-    for patch, result in zip(PATCHES, results):
+    for patch, result in zip(listed, results):
         lines.append(f"{patch.name:<{width}}  {result.status.value:<{status_width}}  {patch.env_var:<{env_width}}"
                      f"  {result.detail}")
         if patch.modules:
