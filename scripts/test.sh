@@ -69,6 +69,18 @@ compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90
     fi
     step "$name" "compile $case" $rc $(( $(date +%s) - t0 ))
   done
+  # The full-attention kernel: every case of its inspector (head dims in one and two parts, causal,
+  # both sink modes).
+  t0=$(date +%s)
+  if "$venv/bin/python" benchmarks/kernels/inspect_full_attention.py >"$out/compile-$name-full.log" 2>&1; then
+    echo "compile check ($name, Triton $triton): full attention: $(grep -c ' registers, ' "$out/compile-$name-full.log") cases"
+  else
+    rc=1
+    echo "compile check FAILED: the Hopper full-attention kernel under Triton $triton:"
+    grep -E '^[A-Za-z_.]*(Error|Exception)|has been removed|not supported' \
+      "$out/compile-$name-full.log" | tail -n 3 | sed 's/^/    /'
+  fi
+  step "$name" "compile full" $rc $(( $(date +%s) - t0 ))
   return $rc
 }
 
