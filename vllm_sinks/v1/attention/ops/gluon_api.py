@@ -24,6 +24,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_init,
                                                                   warpgroup_mma_wait)
     from triton.language.core import builtin
 
@@ -42,6 +43,7 @@ try:
     IMPORT_ERROR: str | None = None
 except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
     gluon = gl = async_copy = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+    warpgroup_mma_init = None
     cta_barrier = async_load = commit_group = wait_group = reinterpret = None
     IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
@@ -61,4 +63,5 @@ except Exception as e:  # noqa: BLE001
 
 __all__ = ["IMPORT_ERROR", "TMA_IMPORT_ERROR", "TensorDescriptor", "mbarrier", "tma_load",
            "async_load", "commit_group", "cta_barrier", "fence_async_shared", "gl",
-           "gluon", "reinterpret", "wait_group", "warpgroup_mma", "warpgroup_mma_wait"]
+           "gluon", "reinterpret", "wait_group", "warpgroup_mma", "warpgroup_mma_init",
+           "warpgroup_mma_wait"]

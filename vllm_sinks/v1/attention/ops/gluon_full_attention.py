@@ -1,40 +1,485 @@
-"""Hopper kernel of the prefill op for attention without a window: a Gluon kernel (work in progress).
+"""Hopper kernel of the prefill op for attention without a window: a Gluon kernel.
 
-Interface only for now (``FullLaunch.plan`` takes no call yet); the kernel lands in the next commit.
-Same interface as ``gluon_window_attention.WalkLaunch``: the front door asks ``plan`` whether it
-takes a call and launches what it returns.
+Same semantics as ``triton_prefill_attention.context_attention_fwd`` (the front door), which runs
+this kernel when ``FullLaunch.plan`` accepts the call: no sliding window, causal or not, with or
+without sinks (null logit or key-0 bias), fp16/bf16, head dim up to 128. Written for this project;
+it needs Triton's Gluon dialect and an NVIDIA sm_90 GPU (wgmma), and imports without either.
+
+Why a kernel of its own (issue 30): on full attention the portable Triton kernel runs at
+0.7–0.9 × upstream vLLM's op (both are ``tl.dot`` loops with synchronous loads), and vision
+encoders call the op with full attention in most or all of their layers. This one is the usual
+flash-attention loop, written for Hopper:
+
+- a program takes ``BLOCK_M`` queries of one head of one sequence (two warpgroups of 64 rows);
+  its queries stay in shared memory, the A operand of every Q · Kᵀ wgmma;
+- keys and values stream through a ring of ``STAGES`` shared-memory slots by cp.async, issued
+  ``STAGES - 1`` blocks ahead of their use, so a block's load overlaps the work on the blocks
+  before it (upstream's kernel loads each block when it needs it);
+- S = Q · Kᵀ and O += P · V on the tensor cores (asynchronous wgmma, P from registers), the
+  online softmax in fp32 registers in base 2;
+- only blocks a mask can cut are masked: the last block of the sequence, and under causality
+  the blocks that reach past the tile's first query; key 0's bias is added in block 0 only;
+- the null-logit sink is the softmax's starting point (running max = the sink, running sum = 1),
+  so it costs nothing per block.
+
+The head dim is computed in at most two parts, each a power of two (``head_dim_parts``: 80 = 64
++ 16), so a 72- or 80-wide head costs 80 columns of tensor-core work where upstream's op, which
+pads to the next power of two, costs 128; masked loads fill the columns past the head dim with
+zeros, and they are never stored.
+
+Gluon's API moves between Triton releases; every Gluon name comes from ``gluon_api``, which maps
+the renames.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import NamedTuple
 
 import torch
+import triton
 
-from vllm_sinks.v1.attention.ops.prefill_attention_problem import Problem
+from vllm_sinks.v1.attention.ops.gluon_api import IMPORT_ERROR as GLUON_IMPORT_ERROR
+from vllm_sinks.v1.attention.ops.gluon_api import (async_load, commit_group, cta_barrier,
+                                                   fence_async_shared, gl, gluon, wait_group,
+                                                   warpgroup_mma, warpgroup_mma_init,
+                                                   warpgroup_mma_wait)
+from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
+    KEY0_BIAS_C,
+    MAX_GRID_YZ,
+    NULL_LOGIT_C,
+    Problem,
+    launch_options,
+    load_sequence,
+    on_nvidia_gpu,
+    stride_args,
+)
+
+#: Triton releases whose GPU tests of this kernel passed (tests/gpu/test_full_attention_gpu.py).
+TESTED_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
+DTYPES = (torch.float16, torch.bfloat16)  # q, k, v and o, all alike
+CAPABILITY = (9, 0)  # wgmma: sm_90 (Hopper)
+MAX_HEAD_DIM = 128
+
+
+class TileConfig(NamedTuple):
+    """Tile shape: query rows per program (16 per warp), keys per block, ring slots, and whether
+    a block's P · V is left in flight into the next block's Q · Kᵀ (``defer_pv``: the tensor
+    cores then run it while the warps wait at the barrier and issue the next copies; it costs a
+    ring slot, since block j - 1's values may still be read while block j + STAGES - 2 loads)."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    defer_pv: bool = False
+    #: register cap per thread (128: two programs of 8 warps per SM), None: the compiler's choice
+    maxnreg: int | None = None
+
+
+def head_dim_parts(d: int) -> tuple[int, int]:
+    """The head dim as the kernel computes it: one power of two ≥ 16, or 64 plus a second power
+    of two ≤ 32 (72 and 80 -> 64 + 16, 96 -> 64 + 32); above 96, 128. Columns past ``d`` are
+    zeros, never stored."""
+    if d <= 64:
+        return max(16, triton.next_power_of_2(d)), 0
+    if d - 64 <= 32:
+        return 64, max(16, triton.next_power_of_2(d - 64))
+    return 128, 0
+
+
+def default_tile(parts: tuple[int, int]) -> TileConfig:
+    """The tile ``FullLaunch.plan`` takes, by the head dim's parts: the fastest of
+    ``benchmarks/kernels/sweep_full_tiles.py`` on the H200 (docs/benchmarks.md, issue 30). Up
+    to 96 columns, 64-key blocks in four slots with P · V in flight (128 registers at 64: two
+    programs per SM); at 128, three slots, P · V waited (the accumulator alone is 64 registers)."""
+    if sum(parts) <= 96:
+        return TileConfig(128, 64, 4, True)
+    return TileConfig(128, 64, 3, False)
+
+
+# ---- kernel --------------------------------------------------------------------------------------
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _smem_layout(width):
+        """Shared layout of a [rows, width] 16-bit tile: the widest swizzle its rows allow."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * width), element_bitwidth=16,
+                                    rank=2)
+
+    @gluon.constexpr_function
+    def _io_layout(width, num_warps):
+        """16-byte accesses: width / 8 threads across a row."""
+        across = width // 8
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // across, across],
+                                warps_per_cta=[num_warps, 1], order=[1, 0])
+
+    @gluon.constexpr_function
+    def _mma_layout(n, num_warps):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                         instr_shape=[16, n, 16])
+
+    @gluon.jit
+    def _issue_rows(buf, base, stride_t, first, seq_len, COLS: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+        """cp.async rows ``first … first + R - 1`` of one head's part (``base``: its row 0, first
+        column) into ``buf`` [R, W]; rows past the sequence and columns past COLS (the head dim
+        left in this part) are zero-filled."""
+        R: gl.constexpr = buf.shape[0]
+        W: gl.constexpr = buf.shape[1]
+        io_layout: gl.constexpr = _io_layout(W, NUM_WARPS)
+        rows = first + gl.arange(0, R, layout=gl.SliceLayout(1, io_layout))
+        cols = gl.arange(0, W, layout=gl.SliceLayout(0, io_layout))
+        mask = gl.expand_dims(rows < seq_len, 1)
+        if COLS < W:
+            mask = mask & gl.expand_dims(cols < COLS, 0)
+        ptr = base + gl.expand_dims(rows.to(gl.int64) * stride_t, 1) + gl.expand_dims(cols, 0)
+        async_load(buf, ptr, mask)
+
+    @gluon.jit
+    def _issue_block(k0, v0, k1, v1, k_base, v_base, stride_kt, stride_vt, first, kv_len,
+                     HEAD_DIM: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr,
+                     NUM_WARPS: gl.constexpr):
+        """One key block's keys and values, both parts of the head dim."""
+        _issue_rows(k0, k_base, stride_kt, first, kv_len, HEAD_DIM, NUM_WARPS)
+        _issue_rows(v0, v_base, stride_vt, first, kv_len, HEAD_DIM, NUM_WARPS)
+        if D1 > 0:
+            _issue_rows(k1, k_base + D0, stride_kt, first, kv_len, HEAD_DIM - D0, NUM_WARPS)
+            _issue_rows(v1, v_base + D0, stride_vt, first, kv_len, HEAD_DIM - D0, NUM_WARPS)
+
+    @gluon.jit
+    def _row(x, layout: gl.constexpr):
+        """Per-row vector ``x`` as a column broadcastable against a tensor of ``layout`` (same
+        threads and registers: the conversion must be free)."""
+        return gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, layout), assert_trivial=True), 1)
+
+    @gluon.jit
+    def _wait_pv(acc0, acc1, SPLIT: gl.constexpr):
+        """Wait for the P · V wgmmas of both parts (the second only where there is one)."""
+        if SPLIT:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
+        return acc0, acc1
+
+    @gluon.jit
+    def _store_part(acc, inv_l, buf, o_base, stride_ot, m0, seq_len, COLS: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+        """O = acc / l for one part of the head dim, staged in ``buf`` (the part's query buffer,
+        free once the tile's wgmmas are done) for 16-byte stores of whole rows."""
+        W: gl.constexpr = buf.shape[1]
+        io_layout: gl.constexpr = _io_layout(W, NUM_WARPS)
+        buf.store((acc * _row(inv_l, acc.type.layout)).to(buf.dtype))
+        cta_barrier()
+        out = buf.load(io_layout)
+        rows = m0 + gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, io_layout))
+        cols = gl.arange(0, W, layout=gl.SliceLayout(0, io_layout))
+        mask = gl.expand_dims(rows < seq_len, 1)
+        if COLS < W:
+            mask = mask & gl.expand_dims(cols < COLS, 0)
+        ptr = o_base + gl.expand_dims(rows.to(gl.int64) * stride_ot, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptr, out, mask=mask)
+
+    @gluon.jit
+    def _full_attention_kernel(
+            Q, K, V, O, Sinks, StartLoc, SeqLen,
+            total_tokens, qk_scale, inv_scale,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+            stride_sink, stride_start, stride_len,
+            HEAD_DIM: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUERIES_PER_KV: gl.constexpr,
+            IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr, DEFER_PV: gl.constexpr):
+        NUM_WARPS: gl.constexpr = BLOCK_M // 16
+        # The head dim in two parts (D0 a power of two, D1 one or 0): 80 = 64 + 16 computes 80
+        # columns, where one power of two would compute 128.
+        SPLIT: gl.constexpr = D1 > 0
+        D1B: gl.constexpr = D1 if SPLIT else 16  # buffers of a part that is not there: unused
+        # Strides come divided by 8 (``FullLaunch.plan`` takes only calls whose rows start on 16
+        # bytes): Triton tells the compiler only whether an int is a multiple of 16, so a 72-wide
+        # head's rows would otherwise be copied two bytes at a time.
+        stride_qt = stride_qt * 8
+        stride_qh = stride_qh * 8
+        stride_kt = stride_kt * 8
+        stride_kh = stride_kh * 8
+        stride_vt = stride_vt * 8
+        stride_vh = stride_vh * 8
+        stride_ot = stride_ot * 8
+        stride_oh = stride_oh * 8
+        dtype: gl.constexpr = Q.dtype.element_ty
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
+        o0_layout: gl.constexpr = _mma_layout(D0, NUM_WARPS)
+        o1_layout: gl.constexpr = _mma_layout(D1B, NUM_WARPS)
+        p0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o0_layout, k_width=2)
+        p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        # Blocks issued ahead of their use: every slot but the one being read, and with DEFER_PV
+        # the one the previous block's P · V may still read.
+        AHEAD: gl.constexpr = STAGES - 1 - DEFER_PV
+
+        head = gl.program_id(1)
+        seq = gl.program_id(2)
+        seq_start64, seq_len = load_sequence(StartLoc, SeqLen, seq, total_tokens, stride_start,
+                                             stride_len)
+        kv_head = head // QUERIES_PER_KV
+        q_base = Q + seq_start64 * stride_qt + head * stride_qh
+        o_base = O + seq_start64 * stride_ot + head * stride_oh
+        k_base = K + seq_start64 * stride_kt + kv_head * stride_kh
+        v_base = V + seq_start64 * stride_vt + kv_head * stride_vh
+
+        q0 = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], _smem_layout(D0))
+        k0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], _smem_layout(D0))
+        v0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], _smem_layout(D0))
+        if SPLIT:
+            q1 = gl.allocate_shared_memory(dtype, [BLOCK_M, D1B], _smem_layout(D1B))
+            k1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1B], _smem_layout(D1B))
+            v1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1B], _smem_layout(D1B))
+        else:  # never read or written: the same views stand in, so every call site is one
+            q1 = q0
+            k1 = k0
+            v1 = v0
+
+        # The sink in raw-score units (scores are scaled by qk_scale later): the null logit is the
+        # running max's starting point, key 0's bias is added to its raw score.
+        if SINK_MODE != 0:
+            sink_raw = gl.load(Sinks + head * stride_sink).to(gl.float32) * inv_scale
+        else:
+            sink_raw = 0.0
+        rows_s = gl.arange(0, BLOCK_M, layout=row_layout)
+        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+        # Heavier tiles first under causality (they have more key blocks); a bound that was too
+        # small is covered by the programs looping over the tiles past it.
+        m_tiles = (seq_len + BLOCK_M - 1) // BLOCK_M
+        for tile in range(gl.program_id(0), m_tiles, gl.num_programs(0)):
+            if IS_CAUSAL:
+                mt = m_tiles - 1 - tile
+            else:
+                mt = tile
+            m0 = mt * BLOCK_M
+            if IS_CAUSAL:
+                kv_len = gl.minimum(seq_len, m0 + BLOCK_M)
+            else:
+                kv_len = seq_len
+            n_blocks = (kv_len + BLOCK_N - 1) // BLOCK_N
+            # The first block a mask may cut: the last one, or (causal) the first to reach past
+            # the tile's first query.
+            if IS_CAUSAL:
+                first_masked = gl.minimum(m0 // BLOCK_N, n_blocks - 1)
+            else:
+                first_masked = n_blocks - 1
+
+            cta_barrier()  # the previous tile is done in every warp: its buffers are free
+            _issue_rows(q0, q_base, stride_qt, m0, seq_len, HEAD_DIM, NUM_WARPS)
+            if SPLIT:
+                _issue_rows(q1, q_base + D0, stride_qt, m0, seq_len, HEAD_DIM - D0, NUM_WARPS)
+            for b in gl.static_range(AHEAD):
+                if b < n_blocks:
+                    _issue_block(k0.index(b), v0.index(b), k1.index(b), v1.index(b), k_base,
+                                 v_base, stride_kt, stride_vt, b * BLOCK_N, kv_len, HEAD_DIM, D0,
+                                 D1, NUM_WARPS)
+                commit_group()
+
+            if SINK_MODE == NULL_LOGIT_C:
+                m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + sink_raw * qk_scale
+                l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
+            else:
+                m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
+                l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+            acc0 = gl.zeros([BLOCK_M, D0], gl.float32, o0_layout)
+            acc1 = gl.zeros([BLOCK_M, D1B], gl.float32, o1_layout)
+            if DEFER_PV:  # carried round the loop as wgmmas in flight
+                acc0 = warpgroup_mma_init(acc0)
+                if SPLIT:
+                    acc1 = warpgroup_mma_init(acc1)
+
+            for j in range(0, n_blocks):
+                # Block j (and, at j = 0, the queries) landed: this thread's copies by the wait,
+                # every thread's by the barrier, for the tensor cores by the fence. The barrier
+                # also says every warp is done with the block whose slot is refilled next.
+                wait_group(AHEAD - 1)
+                fence_async_shared()
+                cta_barrier()
+                nxt = j + AHEAD
+                if nxt < n_blocks:
+                    sn = nxt % STAGES
+                    _issue_block(k0.index(sn), v0.index(sn), k1.index(sn), v1.index(sn), k_base,
+                                 v_base, stride_kt, stride_vt, nxt * BLOCK_N, kv_len, HEAD_DIM, D0,
+                                 D1, NUM_WARPS)
+                commit_group()
+                slot = j % STAGES
+                s = warpgroup_mma(q0, k0.index(slot).permute((1, 0)), zeros_s, use_acc=False,
+                                  is_async=True)
+                if SPLIT:
+                    s = warpgroup_mma(q1, k1.index(slot).permute((1, 0)), s, is_async=True)
+                if DEFER_PV:  # block j - 1's P · V too
+                    if SPLIT:
+                        s, acc0, acc1 = warpgroup_mma_wait(0, deps=(s, acc0, acc1))
+                    else:
+                        s, acc0 = warpgroup_mma_wait(0, deps=(s, acc0))
+                else:
+                    s = warpgroup_mma_wait(0, deps=(s, ))
+                if SINK_MODE == KEY0_BIAS_C:
+                    if j == 0:  # key 0 is seen by every query
+                        s = gl.where(gl.expand_dims(cols_s, 0) == 0, s + sink_raw, s)
+                if j >= first_masked:
+                    keys = gl.expand_dims(j * BLOCK_N + cols_s, 0)
+                    visible = keys < kv_len
+                    if IS_CAUSAL:
+                        visible = visible & (keys <= gl.expand_dims(m0 + rows_s, 1))
+                    s = gl.where(visible, s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                a0 = gl.convert_layout(p.to(dtype), p0_layout)
+                acc0 = warpgroup_mma(a0, v0.index(slot), acc0 * _row(alpha, o0_layout),
+                                     is_async=True)
+                if SPLIT:
+                    a1 = gl.convert_layout(a0, p1_layout)
+                    acc1 = warpgroup_mma(a1, v1.index(slot), acc1 * _row(alpha, o1_layout),
+                                         is_async=True)
+                if not DEFER_PV:
+                    acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
+            if DEFER_PV:
+                acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
+            wait_group(0)  # the empty groups of the last blocks
+
+            inv_l = 1.0 / l_i
+            _store_part(acc0, inv_l, q0, o_base, stride_ot, m0, seq_len, HEAD_DIM, NUM_WARPS)
+            if SPLIT:
+                _store_part(acc1, inv_l, q1, o_base + D0, stride_ot, m0, seq_len, HEAD_DIM - D0,
+                            NUM_WARPS)
+
+
+# ---- launcher ------------------------------------------------------------------------------------
+
+_UNAVAILABLE: dict = {}
 
 
 def full_unavailable(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None when it can)."""
-    return "not built yet"
+    if GLUON_IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})"
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return (f"Triton {triton.__version__}: the Gluon kernel is tested on Triton "
+                f"{', '.join(v + 'x' for v in TESTED_TRITON)}")
+    if not on_nvidia_gpu(device):
+        return f"tensors on {device.type}" + (" (ROCm)" if torch.version.hip else "") + \
+            ", not an NVIDIA GPU (or the Triton interpreter)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _UNAVAILABLE:
+        major, minor = torch.cuda.get_device_capability(index)
+        _UNAVAILABLE[index] = (None if (major, minor) == CAPABILITY else
+                               f"compute capability {major}.{minor}: wgmma needs sm_90 (Hopper)")
+    return _UNAVAILABLE[index]
+
+
+def takes(p: Problem) -> str | None:
+    """Why the kernel does not take a validated call (None when it does), platform aside."""
+    if p.window_q or p.window_k:
+        return "a sliding window (the window kernels take those)"
+    if p.dtype not in DTYPES or p.out_dtype != p.dtype:
+        return f"{p.dtype} -> {p.out_dtype} (fp16/bf16, output alike)"
+    if p.head_dim > MAX_HEAD_DIM:
+        return f"head dim {p.head_dim} > {MAX_HEAD_DIM}"
+    if not p.host_bound:
+        return "no host-side length bound (max_input_len on the device)"
+    if p.cu_seqlens:
+        return "cumulative offsets (the MiMo wrapper's calls take the portable kernel)"
+    if p.empty or p.num_seqs > MAX_GRID_YZ or p.q_heads > MAX_GRID_YZ:
+        return "empty, or more sequences or heads than a grid axis holds"
+    return None
+
+
+_LAUNCHER = DirectLauncher(_full_attention_kernel) if gluon is not None else None
+_FAILED_VARIANTS: set = set()
+_COMPILED_VARIANTS: set = set()
 
 
 @dataclasses.dataclass(frozen=True)
 class FullLaunch:
     """A validated problem bound to the Hopper full-attention kernel (``plan`` says whether it
-    fits: no window, an NVIDIA sm_90 GPU, fp16/bf16, head dim <= 128, a host-side length bound)."""
+    fits: ``takes`` and ``full_unavailable``)."""
 
     name = "full"
+    tokens: int
+    num_seqs: int
+    q_heads: int
+    block_m: int
+    scalars: tuple  # the kernel's scalar arguments after the seven tensors, in order
+    constexprs: dict
+    options: dict
+    variant: tuple  # the compiled kernel this launch needs: its constexprs and dtype
+    token: int = dataclasses.field(default_factory=new_token, compare=False)
+    # length bound -> (grid, the launcher's signature)
+    _by_bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks) -> "FullLaunch | None":
-        return None
+    def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks,
+             tile: TileConfig | None = None) -> "FullLaunch | None":
+        """A launch when the call fits the kernel, else None. ``tile``: another tile shape (the
+        benchmarks' sweep), default ``default_tile``. Declines rows that do not start on 16
+        bytes (the portable kernel takes those)."""
+        if takes(p) is not None or full_unavailable(p.device) is not None:
+            return None
+        strides = stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len)
+        if any(x % 8 for x in strides[:8]):
+            return None  # rows that do not start on 16 bytes: cp.async copies 4 bytes or more
+        parts = head_dim_parts(p.head_dim)
+        tile = tile or default_tile(parts)
+        constexprs = dict(HEAD_DIM=p.head_dim, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, STAGES=tile.stages,
+                          QUERIES_PER_KV=p.queries_per_kv, IS_CAUSAL=p.is_causal,
+                          SINK_MODE=p.sink_mode, DEFER_PV=tile.defer_pv)
+        scalars = (p.tokens, p.log2_scale, 1.0 / p.scale, *(x // 8 for x in strides[:8]),
+                   *strides[8:])
+        options = launch_options(p.device, num_warps=tile.block_m // 16, maxnreg=tile.maxnreg)
+        return cls(p.tokens, p.num_seqs, p.q_heads, tile.block_m, scalars, constexprs, options,
+                   tuple(sorted(constexprs.items())) + (p.dtype, ))
+
+    def grid(self, max_len_hint: int) -> tuple:
+        tiles = triton.cdiv(min(max(max_len_hint, 1), self.tokens), self.block_m)
+        return (tiles, self.q_heads, self.num_seqs)
+
+    def _bound(self, max_len_hint: int) -> tuple:
+        bound = self._by_bound.get(max_len_hint)
+        if bound is None:
+            if len(self._by_bound) >= 64:
+                self._by_bound.clear()
+            grid = self.grid(max_len_hint)
+            bound = self._by_bound[max_len_hint] = (grid, (self.token, grid))
+        return bound
 
     def ready(self, max_len_hint: int) -> tuple | None:
-        """The direct C launch of this bound once launched (``DirectLauncher.ready``), else None."""
-        return None
+        """The direct launch of this bound, once launched (``DirectLauncher.ready``), else None."""
+        bound = self._by_bound.get(max_len_hint)
+        if bound is None:
+            return None
+        return _LAUNCHER.ready(bound[1], bound[0], self.scalars)
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint: int) -> bool:
-        """Launch; False (nothing launched) when the kernel failed to compile: the caller falls
-        back to the portable kernel."""
-        return False
+        """Launch; False (nothing launched, nothing written) when this kernel variant failed to
+        compile, which is then reported once and never tried again: the caller falls back."""
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15:
+            return False  # a view that starts off 16 bytes: cp.async cannot copy its rows whole
+        grid, signature = self._bound(max_len_hint)
+        tensors = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len)
+        if self.variant in _COMPILED_VARIANTS:
+            _LAUNCHER(signature, grid, tensors, self.scalars, self.constexprs, self.options)
+            return True
+        if self.variant in _FAILED_VARIANTS:
+            return False
+        try:  # the first launch of a variant compiles it
+            _LAUNCHER(signature, grid, tensors, self.scalars, self.constexprs, self.options)
+        except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
+            _FAILED_VARIANTS.add(self.variant)
+            warnings.warn(f"vllm-sinks: the Hopper full-attention kernel failed to compile "
+                          f"({type(e).__name__}: {str(e)[:300]}); using the Triton kernel for this "
+                          "shape", stacklevel=2)
+            return False
+        _COMPILED_VARIANTS.add(self.variant)
+        return True

@@ -193,12 +193,11 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
         # Imported at the first call on an NVIDIA GPU, not with this module: Gluon and the kernels'
         # definitions are ~80 % of the op's import (benchmarks/plugin_load.py), and no other
         # platform can run them.
+        from vllm_sinks.v1.attention.ops.gluon_full_attention import FullLaunch
         from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch
 
         walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
         if walk is None:
-            from vllm_sinks.v1.attention.ops.gluon_full_attention import FullLaunch
-
             full = FullLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
     portable = PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
     if not _UPSTREAM or not upstream_may_take(p):

@@ -1,0 +1,76 @@
+"""Compile the Hopper full-attention kernel (Gluon) for sm_90a without a GPU: registers, spills,
+shared memory, and its instructions by opcode, per case.
+
+    python benchmarks/kernels/inspect_full_attention.py                 # every case
+    python benchmarks/kernels/inspect_full_attention.py --case d80 --sass out.sass
+
+What it answers between GPU runs: whether the kernel compiles under this Triton at all (CI runs
+it under every Triton of the matrix's compile rows), and whether it spills. Timing needs the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from benchmarks.kernels.inspect_prefill_sass import signature  # noqa: E402
+from benchmarks.kernels.inspect_window_walk import read_compiled  # noqa: E402
+from vllm_sinks.v1.attention.ops import gluon_full_attention as gf  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import (  # noqa: E402
+    SINKS_KEY0_BIAS, SINKS_NONE, SINKS_NULL_LOGIT)
+
+# name: (head dim, query heads per KV head, causal, sink mode)
+CASES = {"d64": (64, 1, False, SINKS_NONE),
+         "d80": (80, 1, False, SINKS_NONE),
+         "d72": (72, 1, False, SINKS_NONE),
+         "d96": (96, 1, False, SINKS_NONE),
+         "d32": (32, 1, False, SINKS_NONE),
+         "d128-causal-gqa": (128, 4, True, SINKS_NONE),
+         "d64-causal-null-sink": (64, 8, True, SINKS_NULL_LOGIT),
+         "d80-key0-sink": (80, 4, False, SINKS_KEY0_BIAS)}
+
+
+def compile_case(case: str, tile=None):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    d, qpk, causal, sink_mode = CASES[case]
+    parts = gf.head_dim_parts(d)
+    tile = tile or gf.default_tile(parts)
+    constexprs = dict(HEAD_DIM=d, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,
+                      BLOCK_N=tile.block_n, STAGES=tile.stages, QUERIES_PER_KV=qpk,
+                      IS_CAUSAL=causal, SINK_MODE=sink_mode, DEFER_PV=tile.defer_pv)
+    kernel = gf._full_attention_kernel
+    sig, attrs, constexprs = signature(kernel, constexprs, floats={"qk_scale", "inv_scale"})
+    src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tile.block_m // 16, enable_fp_fusion=True,
+                                       **({"maxnreg": tile.maxnreg} if tile.maxnreg else {})))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", choices=sorted(CASES), action="append")
+    ap.add_argument("--sass", help="also write the SASS here (one case)")
+    ap.add_argument("--tile", help="another tile: BLOCK_M,BLOCK_N,STAGES,DEFER_PV[,MAXNREG] (e.g. 128,64,4,1,128)")
+    args = ap.parse_args(argv)
+    for case in args.case or CASES:
+        tile = None
+        if args.tile:
+            m, n, st, defer, *reg = (int(x) for x in args.tile.split(","))
+            tile = gf.TileConfig(m, n, st, bool(defer), *reg)
+        compiled = compile_case(case, tile)
+        sass, res, ops = read_compiled(compiled, args.sass)
+        print(f"{case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
+              f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions "
+              f"(Triton {triton.__version__})")
+        print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+
+
+if __name__ == "__main__":
+    main()
