@@ -152,3 +152,16 @@ def test_a_stream_of_new_lengths_reads_the_table_once_per_class(upstream, monkey
         check_tolerance(case)
     assert calls == [] and len(loads) == 1
     assert {key[1] for key in fat._DECISIONS} == {6, 7}
+
+
+def test_another_table_source_is_read_by_plans_made_before(upstream):
+    """Plans keep their verdict per bound; pointing the lookup elsewhere drops them."""
+    calls, tables = upstream
+    case = _full(seed=20)
+    _run(case)
+    assert len(calls) == 1  # no table: upstream
+    _ship(tables, (6, 1.3))
+    fat.use_table_dir(tables)
+    _run(case)
+    assert len(calls) == 1  # ours now
+    check_tolerance(case)

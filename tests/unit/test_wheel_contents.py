@@ -7,6 +7,7 @@ sources), lists it, installs it into a scratch folder and runs the installed CLI
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import pathlib
 import shutil
@@ -71,3 +72,26 @@ def test_installed_docs_command_checks_a_checkout(wheel, tmp_path):
     assert checked.returncode == 0, checked.stderr
     outside = run("--check", cwd=tmp_path)  # no checkout here: says so, edits nothing
     assert outside.returncode == 2 and "no vllm-sinks source checkout" in outside.stderr
+
+
+TABLES = "vllm_sinks/v1/attention/ops/tables/"
+
+
+def test_the_installed_package_reads_the_full_attention_tables_it_ships(wheel, tmp_path):
+    """Every table of the checkout is package data in the wheel, and the installed lookup finds and
+    parses each one there (a table missing from the wheel would silently leave its GPU to
+    upstream's op)."""
+    checkout = sorted(p.name for p in (ROOT / TABLES).glob("*.json"))
+    in_wheel = sorted(n[len(TABLES):] for n in zipfile.ZipFile(wheel).namelist()
+                      if n.startswith(TABLES) and n.endswith(".json"))
+    assert in_wheel == checkout
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--no-cache-dir",
+                    "--target", str(target), str(wheel)], check=True, timeout=300)
+    script = ("import json; from vllm_sinks.v1.attention.ops import full_attention_table as f; "
+              "paths = sorted(f.SHIPPED_DIR.glob('*.json')); [f.load_table(p) for p in paths]; "
+              "print(json.dumps([str(f.SHIPPED_DIR), [p.name for p in paths]]))")
+    found = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(target)}, check=True, timeout=120)
+    where, names = json.loads(found.stdout)
+    assert where.startswith(str(target)) and names == checkout

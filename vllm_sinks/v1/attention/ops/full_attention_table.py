@@ -245,12 +245,17 @@ _TABLES: dict = {}  # (device type, index) -> Table or None (no table, or one th
 _DECISIONS: dict = {}  # (class prefix with its device, length bucket) -> ours faster
 
 
+_FORGET: list = []  # callables that drop verdicts kept elsewhere (the front door's plans)
+
+
 def use_table_dir(directory: str | Path | None = SHIPPED_DIR) -> None:
     """Read tables from ``directory`` from now on (None: none at all, every class falls back to
-    upstream's op); forgets the tables and decisions read so far."""
+    upstream's op); forgets the tables and decisions read so far, here and in the front door."""
     _DIR[:] = [None if directory is None else Path(directory)]
     _TABLES.clear()
     _DECISIONS.clear()
+    for forget in _FORGET:
+        forget()
 
 
 def device_identity(device: tuple[str, int | None]) -> tuple[str, tuple[int, int], str] | None:

@@ -119,6 +119,8 @@ class Plan:
     #: length bound -> the direct C launch of the kernel that ran this signature with it
     #: (``DirectLauncher.ready``), for ``launch_seen``; filled by the calls that launch
     _ready: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+    #: int bound -> ``upstream_takes`` (a ViT's layers repeat the bound: one dict lookup a call)
+    _takes: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def kernel(self) -> str:
@@ -130,6 +132,14 @@ class Plan:
         is faster on its class and length bucket (a device-tensor bound has no host length: upstream)."""
         if self.upstream is None:
             return False
+        if type(max_input_len) is int:
+            takes = self._takes.get(max_input_len)
+            if takes is None:
+                if len(self._takes) >= 64:
+                    self._takes.clear()
+                takes = self._takes[max_input_len] = not full_attention_table.ours_faster(
+                    self.route, max_input_len)
+            return takes
         hint = host_length_bound(max_input_len)
         return hint is None or not full_attention_table.ours_faster(self.route, hint)
 
@@ -201,6 +211,7 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
 # and planning cost ~20 µs of Python, more than the kernel on small inputs; the key ~3.
 _PLANS: dict = {}
 _PLANS_MAX = 512
+full_attention_table._FORGET.append(_PLANS.clear)  # plans keep their table verdicts (``_takes``)
 
 
 def remember(key, chosen: Plan) -> Plan:
