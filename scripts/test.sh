@@ -193,6 +193,10 @@ run_wheel_install() {  # name venv
   else
     echo "wheel install FAILED for $name:"; tail -n 20 "$out/wheel-$name.log" | sed 's/^/    /'
   fi
+  # Keep the wheel and the logs; the venv, the checkout copy and the links to the row's site-packages
+  # are not artifacts (an upload that followed the links would take the whole vLLM along).
+  mv "$dir"/src/dist/vllm_sinks-*.whl "$dir/" 2>/dev/null
+  rm -rf "$dir/venv" "$dir/site-view" "$dir/src"
   step "$name" "wheel install + report" $rc $(( $(date +%s) - t0 ))
   return $rc
 }
