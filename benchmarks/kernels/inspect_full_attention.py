@@ -27,6 +27,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (  # noqa: E40
 
 # name: (head dim, query heads per KV head, causal, sink mode)
 CASES = {"d64": (64, 1, False, SINKS_NONE),
+         "d128": (128, 1, False, SINKS_NONE),
          "d80": (80, 1, False, SINKS_NONE),
          "d72": (72, 1, False, SINKS_NONE),
          "d96": (96, 1, False, SINKS_NONE),
@@ -44,7 +45,8 @@ def compile_case(case: str, tile=None):
     tile = tile or gf.default_tile(parts)
     constexprs = dict(HEAD_DIM=d, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, STAGES=tile.stages, QUERIES_PER_KV=qpk,
-                      IS_CAUSAL=causal, SINK_MODE=sink_mode, DEFER_PV=tile.defer_pv)
+                      IS_CAUSAL=causal, SINK_MODE=sink_mode, DEFER_PV=tile.defer_pv,
+                      OVERLAP=tile.overlap)
     kernel = gf._full_attention_kernel
     sig, attrs, constexprs = signature(kernel, constexprs, floats={"qk_scale", "inv_scale"})
     src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=constexprs)
@@ -57,13 +59,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", choices=sorted(CASES), action="append")
     ap.add_argument("--sass", help="also write the SASS here (one case)")
-    ap.add_argument("--tile", help="another tile: BLOCK_M,BLOCK_N,STAGES,DEFER_PV[,MAXNREG] (e.g. 128,64,4,1,128)")
+    ap.add_argument("--tile", help="another tile: BLOCK_M,BLOCK_N,STAGES,DEFER_PV,MAXNREG(0: none)[,OVERLAP] (e.g. 128,64,4,0,0,1)")
     args = ap.parse_args(argv)
     for case in args.case or CASES:
         tile = None
         if args.tile:
-            m, n, st, defer, *reg = (int(x) for x in args.tile.split(","))
-            tile = gf.TileConfig(m, n, st, bool(defer), *reg)
+            m, n, st, defer, reg, *overlap = (int(x) for x in args.tile.split(","))
+            tile = gf.TileConfig(m, n, st, bool(defer), reg or None, bool(overlap and overlap[0]))
         compiled = compile_case(case, tile)
         sass, res, ops = read_compiled(compiled, args.sass)
         print(f"{case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "

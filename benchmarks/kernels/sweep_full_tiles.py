@@ -29,21 +29,34 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate  # no
 from vllm_sinks.v1.attention.ops.prefill_attention_reference import relative_l2  # noqa: E402
 
 T = gf.TileConfig
+O = dict(overlap=True)
 #: By computed width (``head_dim_parts`` summed, rounded up to 64, 96 or 128).
-CANDIDATES = {64: [T(128, 64, 4, True), T(128, 64, 4, True, 128), T(128, 64, 3, True),
-                   T(128, 128, 3)],
-              96: [T(128, 64, 4, True), T(128, 64, 4, True, 128), T(128, 64, 3),
-                   T(128, 64, 3, True, 128)],
-              128: [T(128, 64, 3), T(128, 64, 4, True), T(128, 64, 3, True)]}
+CANDIDATES = {64: [T(128, 64, 4, True), T(128, 64, 4, **O), T(128, 64, 5, **O), T(128, 64, 3, **O),
+                   T(128, 128, 3, **O), T(64, 64, 4, **O)],
+              96: [T(128, 64, 4, True), T(128, 64, 4, **O), T(128, 64, 5, **O)],
+              128: [T(128, 64, 3), T(128, 64, 4, True), T(128, 64, 4, **O), T(128, 64, 5, **O),
+                    T(128, 64, 3, **O), T(128, 128, 3, **O)]}
 SHAPES = [FullShape("qwen2.5-vl 4x4096 D80", (4096,) * 4, 16, 80),
           FullShape("qwen2.5-vl 1x1024 D80", (1024,), 16, 80),
           FullShape("siglip 8x729 D72", (729,) * 8, 16, 72),
           FullShape("D96 3x2000 h16", (2000,) * 3, 16, 96),
           FullShape("internvit 6x1025 D128", (1025,) * 6, 25, 128),
+          FullShape("D128 1x4096 h4", (4096,), 4, 128),
+          FullShape("D128 1x9952 h4", (9952,), 4, 128),
+          FullShape("D128 1x16384 h16", (16384,), 16, 128),
+          FullShape("GQA 32/8 D128 1x4096", (4096,), 32, 128, kv_heads=8),
           FullShape("causal GQA 32/8 D128 2x2048", (2048, 2048), 32, 128, kv_heads=8, is_causal=True),
           FullShape("encoder 64x512 D64", (512,) * 64, 12, 64),
           FullShape("mixed D64", (256, 1024, 4000, 77, 2500), 16, 64),
+          FullShape("D64 1x4096 h4", (4096,), 4, 64),
+          FullShape("D64 1x6224 h4", (6224,), 4, 64),
+          FullShape("GQA 32/8 D64 1x8192", (8192,), 32, 64, kv_heads=8),
           FullShape("1x16384 D64", (16384,), 16, 64)]
+
+
+def _name(t) -> str:
+    return (f"{t.block_m}x{t.block_n} s{t.stages}{' defer' if t.defer_pv else ''}"
+            f"{' overlap' if t.overlap else ''}{f' r{t.maxnreg}' if t.maxnreg else ''}")
 
 
 def _width(d: int) -> int:
@@ -59,14 +72,14 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or None)
     args = ap.parse_args(argv)
     upstream = peers.upstream_op(args.peers)
+    fa3 = peers.fa3_varlen(args.peers)
     warm_gpu()
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3  # noqa: E731
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
              "bf16; µs = do_bench median (2 rounds: min / max); ratio = upstream / tile", ""]
     for dp, tiles in CANDIDATES.items():
         shapes = [s for s in SHAPES if _width(s.head_dim) == dp]
-        header = ["shape", "upstream µs"] + [f"{t.block_m}x{t.block_n} s{t.stages}{' defer' if t.defer_pv else ''}"
-                                            f"{f' r{t.maxnreg}' if t.maxnreg else ''}" for t in tiles]
+        header = ["shape", "upstream µs", "FA3 µs (×)"] + [_name(t) for t in tiles]
         lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         logs = {t: [] for t in tiles}
         for s in shapes:
@@ -85,16 +98,24 @@ def main(argv=None):
                     continue
                 err = relative_l2(o, o_up)
                 if not err < 1e-2:
-                    print(f"{s.name}: tile {t} disagrees with upstream: {err:.2e}", flush=True)
+                    print(f"{s.name}: tile {_name(t)} disagrees with upstream: {err:.2e}", flush=True)
                     continue
                 runs[t] = (lambda launch=launch, o=o: launch(q, k, v, o, starts, lens, None, s.max_len))
             times = {name: [] for name in ["upstream", *runs]}
+            if fa3 is not None:
+                cu, o_fa = peers.cu_seqlens_from(starts, lens), torch.empty_like(q)
+                runs_fa = lambda: fa3(q, k, v, o_fa, cu, s.max_len, causal=s.is_causal)  # noqa: E731
+                runs_fa()
+                times["fa3"] = []
             for _ in range(2):
                 times["upstream"].append(bench(run_up))
+                if fa3 is not None:
+                    times["fa3"].append(bench(runs_fa))
                 for t, fn in runs.items():
                     times[t].append(bench(fn))
             up = min(times["upstream"])
-            cells = [s.name, f"{up:.1f} ({max(times['upstream']):.1f})"]
+            cells = [s.name, f"{up:.1f} ({max(times['upstream']):.1f})",
+                     f"{min(times['fa3']):.1f} {up / min(times['fa3']):.2f}×" if "fa3" in times else "—"]
             for t in tiles:
                 if t in times:
                     best = min(times[t])
@@ -106,7 +127,7 @@ def main(argv=None):
             print(lines[-1], flush=True)
             del q, k, v, o_up
             torch.cuda.empty_cache()
-        geo = ["geomean vs upstream", ""] + [f"{math.exp(sum(x) / len(x)):.2f}×" if x else "—"
+        geo = ["geomean vs upstream", "", ""] + [f"{math.exp(sum(x) / len(x)):.2f}×" if x else "—"
                                             for x in logs.values()]
         lines += ["| " + " | ".join(geo) + " |", ""]
     text = "\n".join(lines)

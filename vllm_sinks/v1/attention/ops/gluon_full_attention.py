@@ -76,6 +76,10 @@ class TileConfig(NamedTuple):
     defer_pv: bool = False
     #: register cap per thread (128: two programs of 8 warps per SM), None: the compiler's choice
     maxnreg: int | None = None
+    #: issue block j's Q · Kᵀ and block j - 1's P · V together, and run block j's softmax while
+    #: the tensor cores still run that P · V (the output is rescaled after it): the two costs
+    #: overlap instead of adding up. Like ``defer_pv`` it costs a ring slot.
+    overlap: bool = False
 
 
 def head_dim_parts(d: int) -> tuple[int, int]:
@@ -165,6 +169,64 @@ if gluon is not None:
         return acc0, acc1
 
     @gluon.jit
+    def _softmax_block(s, j, first_masked, kv_len, m0, m_i, l_i, sink_raw, qk_scale, rows_s, cols_s,
+                       BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr):
+        """Block j's scores ``s`` (raw, fp32) into probabilities in base 2 against the new running
+        max: returns (p, alpha, m_new, l_new), alpha the factor the output so far is rescaled by.
+        Only blocks a mask can cut (``j >= first_masked``) pay for it; key 0's bias is added to
+        block 0's first column."""
+        if SINK_MODE == KEY0_BIAS_C:
+            if j == 0:  # key 0 is seen by every query
+                s = gl.where(gl.expand_dims(cols_s, 0) == 0, s + sink_raw, s)
+        if j >= first_masked:
+            keys = gl.expand_dims(j * BLOCK_N + cols_s, 0)
+            visible = keys < kv_len
+            if IS_CAUSAL:
+                visible = visible & (keys <= gl.expand_dims(m0 + rows_s, 1))
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        l_new = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _next_block(j, n_blocks, k0, v0, k1, v1, k_base, v_base, stride_kt, stride_vt, kv_len,
+                    AHEAD: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+        """Top of block j: its copies landed (this thread's by the wait, every thread's by the
+        barrier, for the tensor cores by the fence; at j = 0 the queries' too), and block
+        j + AHEAD's copies are issued into the slot the barrier says every warp is done with.
+        One commit group per block, empty past the last, so the wait's count holds."""
+        wait_group(AHEAD - 1)
+        fence_async_shared()
+        cta_barrier()
+        nxt = j + AHEAD
+        if nxt < n_blocks:
+            sn = nxt % STAGES
+            _issue_block(k0.index(sn), v0.index(sn), k1.index(sn), v1.index(sn), k_base, v_base,
+                         stride_kt, stride_vt, nxt * BLOCK_N, kv_len, HEAD_DIM, D0, D1, NUM_WARPS)
+        commit_group()
+
+    @gluon.jit
+    def _scores(q0, q1, k0, k1, slot, zeros_s, SPLIT: gl.constexpr):
+        """S = Q · Kᵀ of the block in ``slot``, both parts, issued (not waited)."""
+        s = warpgroup_mma(q0, k0.index(slot).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        if SPLIT:
+            s = warpgroup_mma(q1, k1.index(slot).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _accumulate(a0, v0, v1, slot, acc0, acc1, p1_layout: gl.constexpr, SPLIT: gl.constexpr):
+        """O += P · V of the block in ``slot`` (P as wgmma's register operand), issued."""
+        acc0 = warpgroup_mma(a0, v0.index(slot), acc0, is_async=True)
+        if SPLIT:
+            acc1 = warpgroup_mma(gl.convert_layout(a0, p1_layout), v1.index(slot), acc1,
+                                 is_async=True)
+        return acc0, acc1
+
+    @gluon.jit
     def _store_part(acc, inv_l, buf, o_base, stride_ot, m0, seq_len, COLS: gl.constexpr,
                     NUM_WARPS: gl.constexpr):
         """O = acc / l for one part of the head dim, staged in ``buf`` (the part's query buffer,
@@ -190,7 +252,8 @@ if gluon is not None:
             stride_sink, stride_start, stride_len,
             HEAD_DIM: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUERIES_PER_KV: gl.constexpr,
-            IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr, DEFER_PV: gl.constexpr):
+            IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr, DEFER_PV: gl.constexpr,
+            OVERLAP: gl.constexpr):
         NUM_WARPS: gl.constexpr = BLOCK_M // 16
         # The head dim in two parts (D0 a power of two, D1 one or 0): 80 = 64 + 16 computes 80
         # columns, where one power of two would compute 128.
@@ -216,7 +279,7 @@ if gluon is not None:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         # Blocks issued ahead of their use: every slot but the one being read, and with DEFER_PV
         # the one the previous block's P · V may still read.
-        AHEAD: gl.constexpr = STAGES - 1 - DEFER_PV
+        AHEAD: gl.constexpr = STAGES - 1 - (DEFER_PV or OVERLAP)
 
         head = gl.program_id(1)
         seq = gl.program_id(2)
@@ -295,57 +358,66 @@ if gluon is not None:
                 if SPLIT:
                     acc1 = warpgroup_mma_init(acc1)
 
-            for j in range(0, n_blocks):
-                # Block j (and, at j = 0, the queries) landed: this thread's copies by the wait,
-                # every thread's by the barrier, for the tensor cores by the fence. The barrier
-                # also says every warp is done with the block whose slot is refilled next.
-                wait_group(AHEAD - 1)
-                fence_async_shared()
-                cta_barrier()
-                nxt = j + AHEAD
-                if nxt < n_blocks:
-                    sn = nxt % STAGES
-                    _issue_block(k0.index(sn), v0.index(sn), k1.index(sn), v1.index(sn), k_base,
-                                 v_base, stride_kt, stride_vt, nxt * BLOCK_N, kv_len, HEAD_DIM, D0,
-                                 D1, NUM_WARPS)
-                commit_group()
-                slot = j % STAGES
-                s = warpgroup_mma(q0, k0.index(slot).permute((1, 0)), zeros_s, use_acc=False,
-                                  is_async=True)
-                if SPLIT:
-                    s = warpgroup_mma(q1, k1.index(slot).permute((1, 0)), s, is_async=True)
-                if DEFER_PV:  # block j - 1's P · V too
-                    if SPLIT:
-                        s, acc0, acc1 = warpgroup_mma_wait(0, deps=(s, acc0, acc1))
-                    else:
-                        s, acc0 = warpgroup_mma_wait(0, deps=(s, acc0))
-                else:
-                    s = warpgroup_mma_wait(0, deps=(s, ))
-                if SINK_MODE == KEY0_BIAS_C:
-                    if j == 0:  # key 0 is seen by every query
-                        s = gl.where(gl.expand_dims(cols_s, 0) == 0, s + sink_raw, s)
-                if j >= first_masked:
-                    keys = gl.expand_dims(j * BLOCK_N + cols_s, 0)
-                    visible = keys < kv_len
-                    if IS_CAUSAL:
-                        visible = visible & (keys <= gl.expand_dims(m0 + rows_s, 1))
-                    s = gl.where(visible, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
+            if OVERLAP:
+                # Block 0 alone; then block j's scores with block j - 1's P · V, the softmax of
+                # j while that P · V runs, the output rescaled once it is done.
+                _next_block(0, n_blocks, k0, v0, k1, v1, k_base, v_base, stride_kt, stride_vt,
+                            kv_len, AHEAD, STAGES, BLOCK_N, HEAD_DIM, D0, D1, NUM_WARPS)
+                s = _scores(q0, q1, k0, k1, 0, zeros_s, SPLIT)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                p, alpha, m_i, l_i = _softmax_block(s, 0, first_masked, kv_len, m0, m_i, l_i,
+                                                    sink_raw, qk_scale, rows_s, cols_s, BLOCK_N,
+                                                    IS_CAUSAL, SINK_MODE)
                 a0 = gl.convert_layout(p.to(dtype), p0_layout)
-                acc0 = warpgroup_mma(a0, v0.index(slot), acc0 * _row(alpha, o0_layout),
-                                     is_async=True)
-                if SPLIT:
-                    a1 = gl.convert_layout(a0, p1_layout)
-                    acc1 = warpgroup_mma(a1, v1.index(slot), acc1 * _row(alpha, o1_layout),
-                                         is_async=True)
-                if not DEFER_PV:
+                for j in range(1, n_blocks):
+                    _next_block(j, n_blocks, k0, v0, k1, v1, k_base, v_base, stride_kt,
+                                stride_vt, kv_len, AHEAD, STAGES, BLOCK_N, HEAD_DIM, D0, D1,
+                                NUM_WARPS)
+                    s = _scores(q0, q1, k0, k1, j % STAGES, zeros_s, SPLIT)
+                    acc0, acc1 = _accumulate(a0, v0, v1, (j - 1) % STAGES, acc0, acc1, p1_layout,
+                                             SPLIT)
+                    # wgmma groups finish in order: with the P · V still pending, S is done.
+                    if SPLIT:
+                        s = warpgroup_mma_wait(2, deps=(s, ))
+                    else:
+                        s = warpgroup_mma_wait(1, deps=(s, ))
+                    p, alpha, m_i, l_i = _softmax_block(s, j, first_masked, kv_len, m0, m_i, l_i,
+                                                        sink_raw, qk_scale, rows_s, cols_s,
+                                                        BLOCK_N, IS_CAUSAL, SINK_MODE)
                     acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
-            if DEFER_PV:
+                    acc0 = acc0 * _row(alpha, o0_layout)
+                    if SPLIT:
+                        acc1 = acc1 * _row(alpha, o1_layout)
+                    a0 = gl.convert_layout(p.to(dtype), p0_layout)
+                acc0, acc1 = _accumulate(a0, v0, v1, (n_blocks - 1) % STAGES, acc0, acc1,
+                                         p1_layout, SPLIT)
                 acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
+            else:
+                for j in range(0, n_blocks):
+                    _next_block(j, n_blocks, k0, v0, k1, v1, k_base, v_base, stride_kt,
+                                stride_vt, kv_len, AHEAD, STAGES, BLOCK_N, HEAD_DIM, D0, D1,
+                                NUM_WARPS)
+                    slot = j % STAGES
+                    s = _scores(q0, q1, k0, k1, slot, zeros_s, SPLIT)
+                    if DEFER_PV:  # block j - 1's P · V too
+                        if SPLIT:
+                            s, acc0, acc1 = warpgroup_mma_wait(0, deps=(s, acc0, acc1))
+                        else:
+                            s, acc0 = warpgroup_mma_wait(0, deps=(s, acc0))
+                    else:
+                        s = warpgroup_mma_wait(0, deps=(s, ))
+                    p, alpha, m_i, l_i = _softmax_block(s, j, first_masked, kv_len, m0, m_i, l_i,
+                                                        sink_raw, qk_scale, rows_s, cols_s,
+                                                        BLOCK_N, IS_CAUSAL, SINK_MODE)
+                    a0 = gl.convert_layout(p.to(dtype), p0_layout)
+                    acc0 = acc0 * _row(alpha, o0_layout)
+                    if SPLIT:
+                        acc1 = acc1 * _row(alpha, o1_layout)
+                    acc0, acc1 = _accumulate(a0, v0, v1, slot, acc0, acc1, p1_layout, SPLIT)
+                    if not DEFER_PV:
+                        acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
+                if DEFER_PV:
+                    acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
             wait_group(0)  # the empty groups of the last blocks
 
             inv_l = 1.0 / l_i
@@ -434,7 +506,8 @@ class FullLaunch:
         constexprs = dict(HEAD_DIM=p.head_dim, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, STAGES=tile.stages,
                           QUERIES_PER_KV=p.queries_per_kv, IS_CAUSAL=p.is_causal,
-                          SINK_MODE=p.sink_mode, DEFER_PV=tile.defer_pv)
+                          SINK_MODE=p.sink_mode, DEFER_PV=tile.defer_pv,
+                          OVERLAP=tile.overlap)
         scalars = (p.tokens, p.log2_scale, 1.0 / p.scale, *(x // 8 for x in strides[:8]),
                    *strides[8:])
         options = launch_options(p.device, num_warps=tile.block_m // 16, maxnreg=tile.maxnreg)
