@@ -31,11 +31,12 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import relative_l2 
 T = gf.TileConfig
 O = dict(overlap=True)
 #: By computed width (``head_dim_parts`` summed, rounded up to 64, 96 or 128).
-CANDIDATES = {64: [T(128, 64, 4, True), T(128, 64, 4, **O), T(128, 64, 5, **O), T(128, 64, 3, **O),
-                   T(128, 128, 3, **O), T(64, 64, 4, **O)],
-              96: [T(128, 64, 4, True), T(128, 64, 4, **O), T(128, 64, 5, **O)],
-              128: [T(128, 64, 3), T(128, 64, 4, True), T(128, 64, 4, **O), T(128, 64, 5, **O),
-                    T(128, 64, 3, **O), T(128, 128, 3, **O)]}
+CANDIDATES = {64: [T(128, 64, 4, True), T(64, 64, 3, **O), T(64, 64, 4, **O), T(64, 64, 5, **O),
+                   T(64, 64, 3), T(64, 64, 4, True), T(64, 128, 3, **O)],
+              96: [T(128, 64, 4, True), T(128, 64, 4, **O), T(64, 64, 3, **O), T(64, 64, 3),
+                   T(64, 64, 4, True), T(64, 64, 3, True)],
+              128: [T(128, 64, 3), T(128, 128, 3, **O), T(64, 64, 3, **O), T(64, 64, 3),
+                    T(64, 64, 3, True)]}
 SHAPES = [FullShape("qwen2.5-vl 4x4096 D80", (4096,) * 4, 16, 80),
           FullShape("qwen2.5-vl 1x1024 D80", (1024,), 16, 80),
           FullShape("siglip 8x729 D72", (729,) * 8, 16, 72),
