@@ -31,12 +31,10 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import relative_l2 
 T = gf.TileConfig
 O = dict(overlap=True)
 #: By computed width (``head_dim_parts`` summed, rounded up to 64, 96 or 128).
-CANDIDATES = {64: [T(128, 64, 4, True), T(64, 64, 3, **O), T(64, 64, 4, **O), T(64, 64, 5, **O),
-                   T(64, 64, 3), T(64, 64, 4, True), T(64, 128, 3, **O)],
-              96: [T(128, 64, 4, True), T(128, 64, 4, **O), T(64, 64, 3, **O), T(64, 64, 3),
-                   T(64, 64, 4, True), T(64, 64, 3, True)],
-              128: [T(128, 64, 3), T(128, 128, 3, **O), T(64, 64, 3, **O), T(64, 64, 3),
-                    T(64, 64, 3, True)]}
+CANDIDATES = {64: [T(64, 64, 4, True), T(64, 64, 4, **O), T(64, 64, 3, True), T(64, 128, 3, True),
+                   T(64, 128, 3, **O)],
+              96: [T(64, 64, 3, True), T(64, 64, 3, **O), T(64, 64, 3)],
+              128: [T(64, 64, 3, True), T(64, 64, 3, **O), T(64, 64, 3)]}
 SHAPES = [FullShape("qwen2.5-vl 4x4096 D80", (4096,) * 4, 16, 80),
           FullShape("qwen2.5-vl 1x1024 D80", (1024,), 16, 80),
           FullShape("siglip 8x729 D72", (729,) * 8, 16, 72),
@@ -52,7 +50,11 @@ SHAPES = [FullShape("qwen2.5-vl 4x4096 D80", (4096,) * 4, 16, 80),
           FullShape("D64 1x4096 h4", (4096,), 4, 64),
           FullShape("D64 1x6224 h4", (6224,), 4, 64),
           FullShape("GQA 32/8 D64 1x8192", (8192,), 32, 64, kv_heads=8),
-          FullShape("1x16384 D64", (16384,), 16, 64)]
+          FullShape("1x16384 D64", (16384,), 16, 64),
+          FullShape("causal D64 1x8192 h16", (8192,), 16, 64, is_causal=True),
+          FullShape("causal D64 8x1024 h16", (1024,) * 8, 16, 64, is_causal=True),
+          FullShape("causal D80 2x4096 h16", (4096, 4096), 16, 80, is_causal=True),
+          FullShape("causal D128 1x8192 h16", (8192,), 16, 128, is_causal=True)]
 
 
 def _name(t) -> str:
