@@ -42,7 +42,7 @@ def compile_case(case: str, tile=None):
 
     d, qpk, causal, sink_mode = CASES[case]
     parts = gf.head_dim_parts(d)
-    tile = tile or gf.default_tile(parts)
+    tile = tile or gf.default_tile(causal)
     constexprs = dict(HEAD_DIM=d, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,
                       BLOCK_N=tile.block_n, STAGES=tile.stages, QUERIES_PER_KV=qpk,
                       IS_CAUSAL=causal, SINK_MODE=sink_mode, DEFER_PV=tile.defer_pv,

@@ -10,8 +10,9 @@ Why a kernel of its own (issue 30): on full attention the portable Triton kernel
 encoders call the op with full attention in most or all of their layers. This one is the usual
 flash-attention loop, written for Hopper:
 
-- a program takes ``BLOCK_M`` queries of one head of one sequence (two warpgroups of 64 rows);
-  its queries stay in shared memory, the A operand of every Q · Kᵀ wgmma;
+- a program takes ``BLOCK_M`` queries of one head of one sequence (64: one warpgroup, so that the
+  programs sharing an SM run out of step, see ``default_tile``); its queries stay in shared
+  memory, the A operand of every Q · Kᵀ wgmma;
 - keys and values stream through a ring of ``STAGES`` shared-memory slots by cp.async, issued
   ``STAGES - 1`` blocks ahead of their use, so a block's load overlaps the work on the blocks
   before it (upstream's kernel loads each block when it needs it);
@@ -93,14 +94,15 @@ def head_dim_parts(d: int) -> tuple[int, int]:
     return 128, 0
 
 
-def default_tile(parts: tuple[int, int]) -> TileConfig:
-    """The tile ``FullLaunch.plan`` takes, by the head dim's parts: the fastest of
-    ``benchmarks/kernels/sweep_full_tiles.py`` on the H200 (docs/benchmarks.md, issue 30). Up
-    to 96 columns, 64-key blocks in four slots with P · V in flight (128 registers at 64: two
-    programs per SM); at 128, three slots, P · V waited (the accumulator alone is 64 registers)."""
-    if sum(parts) <= 96:
-        return TileConfig(128, 64, 4, True)
-    return TileConfig(128, 64, 3, False)
+def default_tile(causal: bool) -> TileConfig:
+    """The tile ``FullLaunch.plan`` takes: the fastest of ``benchmarks/kernels/sweep_full_tiles.py``
+    on the H200 (docs/benchmarks.md, issue 30), the same at every head dim. 64 queries per program
+    (one warpgroup): two or three programs then share an SM and run out of step, one's softmax
+    under another's wgmmas, where a 128-row program's two warpgroups meet at every block's
+    barrier (1.42-2.1 × upstream against 1.2-2.0 ×). 64-key blocks in three slots; P · V in flight
+    into the next block's Q · Kᵀ without causality (1.29-1.83 × at head dim 128, overlapped
+    1.25-1.77 ×), the softmax overlapped with it under causality (1.51-1.57 × against 1.35 ×)."""
+    return TileConfig(64, 64, 3, defer_pv=not causal, overlap=causal)
 
 
 # ---- kernel --------------------------------------------------------------------------------------
@@ -502,7 +504,7 @@ class FullLaunch:
         if any(x % 8 for x in strides[:8]):
             return None  # rows that do not start on 16 bytes: cp.async copies 4 bytes or more
         parts = head_dim_parts(p.head_dim)
-        tile = tile or default_tile(parts)
+        tile = tile or default_tile(p.is_causal)
         if tile.stages - 1 - (tile.defer_pv or tile.overlap) < 1:
             raise ValueError(f"{tile}: no ring slot left to load ahead (stages too few)")
         constexprs = dict(HEAD_DIM=p.head_dim, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,
