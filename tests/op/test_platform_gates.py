@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_sinks.v1.attention.ops import gluon_api
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw
 from vllm_sinks.v1.attention.ops import prefill_attention_problem as problem
 
@@ -37,18 +38,18 @@ def test_no_cuda_only_options_in_the_interpreter(monkeypatch):
 
 
 def test_hopper_kernel_rejects_rocm(nvidia, monkeypatch):
-    monkeypatch.setattr(gw, "GLUON_IMPORT_ERROR", None)
-    monkeypatch.setattr(gw.triton, "__version__", gw.TESTED_TRITON[-1] + "0")
+    monkeypatch.setattr(gluon_api, "IMPORT_ERROR", None)
+    monkeypatch.setattr(gw.triton, "__version__", gluon_api.TESTED_TRITON[-1] + "0")
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
-    monkeypatch.setattr(gw, "_UNAVAILABLE", {})
+    monkeypatch.setattr(gluon_api, "_CAPABILITY_REASON", {})
     assert "not an NVIDIA GPU" in gw.walk_unavailable(CUDA)
 
 
 def test_hopper_kernel_needs_exactly_sm90(nvidia, monkeypatch):
-    monkeypatch.setattr(gw, "GLUON_IMPORT_ERROR", None)
-    monkeypatch.setattr(gw.triton, "__version__", gw.TESTED_TRITON[-1] + "0")
+    monkeypatch.setattr(gluon_api, "IMPORT_ERROR", None)
+    monkeypatch.setattr(gw.triton, "__version__", gluon_api.TESTED_TRITON[-1] + "0")
     for capability, ok in (((9, 0), True), ((9, 4), False), ((8, 0), False), ((10, 0), False)):
-        monkeypatch.setattr(gw, "_UNAVAILABLE", {})
+        monkeypatch.setattr(gluon_api, "_CAPABILITY_REASON", {})
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         reason = gw.walk_unavailable(CUDA)
         assert (reason is None) == ok, (capability, reason)

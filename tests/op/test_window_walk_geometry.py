@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from vllm_sinks.v1.attention.ops import gluon_api
 from vllm_sinks.v1.attention.ops import gluon_window_attention as gw
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate
@@ -129,10 +130,10 @@ def test_no_walk_off_the_gpu():
 
 def test_the_kernel_is_gated_to_the_tested_triton(monkeypatch):
     monkeypatch.setattr(gw.triton, "__version__", "9.9.0")
-    monkeypatch.setattr(gw, "GLUON_IMPORT_ERROR", None)
+    monkeypatch.setattr(gluon_api, "IMPORT_ERROR", None)
     assert "9.9.0" in gw.walk_unavailable(torch.device("cuda", 0))
     monkeypatch.setenv(gw.ENV_DISABLE, "0")
-    monkeypatch.setattr(gw.triton, "__version__", gw.TESTED_TRITON[0] + "0")
+    monkeypatch.setattr(gw.triton, "__version__", gluon_api.TESTED_TRITON[0] + "0")
     assert gw.ENV_DISABLE in gw.walk_unavailable(torch.device("cuda", 0))
 
 

@@ -124,13 +124,14 @@ def fast_path_conditions() -> str:
     conditions ``GluonWindowLaunch.plan`` and ``walk_unavailable`` test), and which full-attention
     calls go back to upstream's op (``full_attention_table``: the shipped tables)."""
     from vllm_sinks.v1.attention.ops import full_attention_table as fat
+    from vllm_sinks.v1.attention.ops import gluon_api
     from vllm_sinks.v1.attention.ops import gluon_window_attention as gw
     from vllm_sinks.v1.attention.ops.prefill_attention_problem import BLOCK_KEYS
 
     short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
     dtypes = "/".join(short.get(str(d).removeprefix("torch."), str(d)) for d in gw.DTYPES)
-    major, minor = gw.CAPABILITY
-    triton = ", ".join(v + "x" for v in gw.TESTED_TRITON)
+    major, minor = gluon_api.CAPABILITY
+    triton = ", ".join(v + "x" for v in gluon_api.TESTED_TRITON)
     tables = sorted(p.stem for p in fat.SHIPPED_DIR.glob("*.json"))
     return (f"sliding windows run the Gluon kernel (`gluon_window_attention.py`) on compute capability "
             f"{major}.{minor} only, with Triton {triton}, at head dim {gw.HEAD_DIM}, in {dtypes} "

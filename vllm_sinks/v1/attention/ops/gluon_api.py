@@ -1,4 +1,5 @@
-"""The Gluon names the Hopper window kernel uses, mapped across Triton releases: one place for them.
+"""The Gluon names the Hopper kernels use, mapped across Triton releases, and where those kernels
+may run (``hopper_unavailable``): one place for both.
 
 Gluon (``triton.experimental.gluon``) renames things between releases, and users run several
 (3.7.1 for vLLM 0.27–0.32, 3.8.x for 0.33, 3.9.0 for the vLLM that moves to torch 2.15). The kernel
@@ -18,6 +19,15 @@ and the kernel module then has no fast path.
 """
 
 from __future__ import annotations
+
+import torch
+import triton
+
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import on_nvidia_gpu
+
+#: Triton releases whose GPU tests of the Gluon kernels passed (tests/gpu).
+TESTED_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
+CAPABILITY = (9, 0)  # wgmma: sm_90 (Hopper)
 
 try:
     from triton.experimental import gluon
@@ -61,7 +71,31 @@ except Exception as e:  # noqa: BLE001
     mbarrier = tma = TensorDescriptor = tma_load = None
     TMA_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-__all__ = ["IMPORT_ERROR", "TMA_IMPORT_ERROR", "TensorDescriptor", "mbarrier", "tma_load",
+_CAPABILITY_REASON: dict = {}  # device index -> why its compute capability rules the kernels out
+
+
+def hopper_unavailable(device: torch.device) -> str | None:
+    """Why the Gluon kernels cannot run on ``device`` (None when they can): Gluon imports, this
+    Triton is one the GPU tests passed on, and the device is an NVIDIA GPU of compute capability
+    9.0 (wgmma; asked once per device)."""
+    if IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon unavailable ({IMPORT_ERROR})"
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return (f"Triton {triton.__version__}: the Gluon kernels are tested on Triton "
+                f"{', '.join(v + 'x' for v in TESTED_TRITON)}")
+    if not on_nvidia_gpu(device):
+        return f"tensors on {device.type}" + (" (ROCm)" if torch.version.hip else "") + \
+            ", not an NVIDIA GPU (or the Triton interpreter)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY_REASON:
+        major, minor = torch.cuda.get_device_capability(index)
+        _CAPABILITY_REASON[index] = (None if (major, minor) == CAPABILITY else
+                                     f"compute capability {major}.{minor}: wgmma needs sm_90 "
+                                     "(Hopper)")
+    return _CAPABILITY_REASON[index]
+
+
+__all__ = ["CAPABILITY", "IMPORT_ERROR", "TESTED_TRITON", "hopper_unavailable", "TMA_IMPORT_ERROR", "TensorDescriptor", "mbarrier", "tma_load",
            "async_load", "commit_group", "cta_barrier", "fence_async_shared", "gl",
            "gluon", "reinterpret", "wait_group", "warpgroup_mma", "warpgroup_mma_init",
            "warpgroup_mma_wait"]

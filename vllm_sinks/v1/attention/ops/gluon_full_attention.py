@@ -41,9 +41,9 @@ from typing import NamedTuple
 import torch
 import triton
 
-from vllm_sinks.v1.attention.ops.gluon_api import IMPORT_ERROR as GLUON_IMPORT_ERROR
 from vllm_sinks.v1.attention.ops.gluon_api import (async_load, commit_group, cta_barrier,
-                                                   fence_async_shared, gl, gluon, wait_group,
+                                                   fence_async_shared, gl, gluon,
+                                                   hopper_unavailable, wait_group,
                                                    warpgroup_mma, warpgroup_mma_init,
                                                    warpgroup_mma_wait)
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
@@ -54,14 +54,10 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     Problem,
     launch_options,
     load_sequence,
-    on_nvidia_gpu,
     stride_args,
 )
 
-#: Triton releases whose GPU tests of this kernel passed (tests/gpu/test_full_attention_gpu.py).
-TESTED_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
 DTYPES = (torch.float16, torch.bfloat16)  # q, k, v and o, all alike
-CAPABILITY = (9, 0)  # wgmma: sm_90 (Hopper)
 MAX_HEAD_DIM = 128
 
 
@@ -431,25 +427,9 @@ if gluon is not None:
 
 # ---- launcher ------------------------------------------------------------------------------------
 
-_UNAVAILABLE: dict = {}
-
-
 def full_unavailable(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None when it can)."""
-    if GLUON_IMPORT_ERROR is not None:
-        return f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})"
-    if not triton.__version__.startswith(TESTED_TRITON):
-        return (f"Triton {triton.__version__}: the Gluon kernel is tested on Triton "
-                f"{', '.join(v + 'x' for v in TESTED_TRITON)}")
-    if not on_nvidia_gpu(device):
-        return f"tensors on {device.type}" + (" (ROCm)" if torch.version.hip else "") + \
-            ", not an NVIDIA GPU (or the Triton interpreter)"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _UNAVAILABLE:
-        major, minor = torch.cuda.get_device_capability(index)
-        _UNAVAILABLE[index] = (None if (major, minor) == CAPABILITY else
-                               f"compute capability {major}.{minor}: wgmma needs sm_90 (Hopper)")
-    return _UNAVAILABLE[index]
+    return hopper_unavailable(device)
 
 
 def takes(p: Problem) -> str | None:

@@ -56,10 +56,10 @@ import triton
 
 from vllm_sinks.env import WINDOW_WALK
 # Every Gluon name comes from gluon_api, which maps them across Triton releases (None without Gluon).
-from vllm_sinks.v1.attention.ops.gluon_api import IMPORT_ERROR as GLUON_IMPORT_ERROR
 from vllm_sinks.v1.attention.ops.gluon_api import (async_load, commit_group, cta_barrier,
-                                                   fence_async_shared, gl, gluon, reinterpret,
-                                                   wait_group, warpgroup_mma, warpgroup_mma_wait)
+                                                   fence_async_shared, gl, gluon,
+                                                   hopper_unavailable, reinterpret, wait_group,
+                                                   warpgroup_mma, warpgroup_mma_wait)
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     BLOCK_KEYS,
@@ -72,17 +72,12 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     launch_options,
     load_sequence,
     load_sequence_cu,
-    on_nvidia_gpu,
     stride_args,
 )
-
-#: Triton releases whose GPU tests of this kernel passed (tests/gpu/test_window_walk_gpu.py).
-TESTED_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
 
 ROWS = 64  # score rows per tile: one wgmma M for one warpgroup
 HEAD_DIM = 64
 DTYPES = (torch.float16, torch.bfloat16)  # q, k, v and o, all alike
-CAPABILITY = (9, 0)  # wgmma: sm_90 (Hopper)
 #: Band blocks a tile may span: each slot's scores stay in registers for the exact softmax (8 fp32
 #: per thread and slot). 9 (MiMo's ±64, GPT-OSS's causal 127) is the widest band the GPU tests run;
 #: wider windows take the portable kernel.
@@ -596,31 +591,16 @@ if gluon is not None:
 
 # ---- launcher ------------------------------------------------------------------------------------
 
-_UNAVAILABLE: dict = {}
-
-
 def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def walk_unavailable(device: torch.device) -> str | None:
-    """Why the Gluon kernel cannot run on ``device`` (None when it can)."""
-    if GLUON_IMPORT_ERROR is not None:
-        return f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})"
-    if not triton.__version__.startswith(TESTED_TRITON):
-        return (f"Triton {triton.__version__}: the Gluon kernel is tested on Triton "
-                f"{', '.join(v + 'x' for v in TESTED_TRITON)}")
+    """Why the Gluon kernel cannot run on ``device`` (None when it can): the platform, or the
+    environment switch turned it off."""
     if WINDOW_WALK.read() == "off":
         return f"{ENV_DISABLE}=off"
-    if not on_nvidia_gpu(device):
-        return f"tensors on {device.type}" + (" (ROCm)" if torch.version.hip else "") + \
-            ", not an NVIDIA GPU (or the Triton interpreter)"
-    index = _device_index(device)
-    if index not in _UNAVAILABLE:
-        major, minor = torch.cuda.get_device_capability(index)
-        _UNAVAILABLE[index] = (None if (major, minor) == CAPABILITY else
-                               f"compute capability {major}.{minor}: wgmma needs sm_90 (Hopper)")
-    return _UNAVAILABLE[index]
+    return hopper_unavailable(device)
 
 
 @dataclasses.dataclass(frozen=True)
