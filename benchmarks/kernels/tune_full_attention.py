@@ -71,7 +71,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 DRY_GROUPS, DRY_HEADS, DRY_BUCKETS = [(80, "bfloat16", False)], ((16, 16),), (6, 8, 10, 12)
 DRY_IDENTITY = ("dry-run CPU", (0, 0))
 #: Our kernels' sources: the table's "kernels" field says which code it measured.
-KERNEL_FILES = ("prefill_attention_portable.py", "gluon_full_attention.py",
+KERNEL_FILES = ("prefill_attention_portable.py", "gluon_full_attention.py", "gluon_api.py",
                 "prefill_attention_problem.py", "kernel_launcher.py")
 
 
@@ -353,8 +353,7 @@ def main(argv=None) -> Path:
             torch.cuda.empty_cache()
     measure_s = time.perf_counter() - t_measure
     about = dict(torch=torch.__version__, triton_full=triton.__version__,
-                 ptxas=os.environ.get("TRITON_PTXAS_BLACKWELL_PATH") or os.environ.get("TRITON_PTXAS_PATH")
-                 or "triton's default", upstream=_upstream_source(args.peers, args.dry_run),
+                 ptxas=_ptxas(args.dry_run), upstream=_upstream_source(args.peers, args.dry_run),
                  kernels=kernels_fingerprint(), measured=datetime.datetime.now(datetime.timezone.utc)
                  .strftime("%Y-%m-%dT%H:%M:%SZ"), by="benchmarks/kernels/tune_full_attention.py",
                  seconds=round(time.perf_counter() - t_start, 1))
@@ -371,6 +370,17 @@ def main(argv=None) -> Path:
     print(f"[tune] took {time.perf_counter() - t_start:.1f} s (compile {compile_s:.1f} s, timing "
           f"{measure_s:.1f} s)", flush=True)
     return paths[0]
+
+
+def _ptxas(dry_run: bool) -> str:
+    """The ptxas Triton compiles sm_90 with, and its release (the environment names candidates:
+    which one a release uses for sm_90 is its own choice)."""
+    if dry_run:
+        return "none (dry run)"
+    from triton.backends.nvidia import compiler
+
+    tool = compiler.get_ptxas(90)
+    return f"{tool.path} ({compiler.get_ptxas_version(90).strip().splitlines()[-1]})"
 
 
 def _upstream_source(peers_dir, dry_run: bool) -> str:

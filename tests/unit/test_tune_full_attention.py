@@ -42,3 +42,13 @@ def test_a_dry_run_writes_a_table_the_lookup_reads(tmp_path, monkeypatch):
         assert fat.ours_faster(prefix, 10000) is False  # beyond the grid
     finally:
         fat.use_table_dir()
+
+
+def test_the_shipped_tables_measured_the_kernels_in_this_tree():
+    """A table's verdicts hold for the code it timed: a change to our kernels (or to what they are
+    built from) is re-tuned on the GPU (``run_on_device.sh tune``) before it ships."""
+    now = tune.kernels_fingerprint()
+    for path in sorted(fat.SHIPPED_DIR.glob("*.json")):
+        measured = json.loads(path.read_text())["kernels"]
+        assert measured == now, (f"{path.name} measured kernels {measured}, the tree has {now}: "
+                                 "re-run benchmarks/kernels/run_on_device.sh tune under that Triton")
