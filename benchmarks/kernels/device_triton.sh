@@ -1,4 +1,4 @@
-# Sourced by the device scripts (run_on_device.sh, run_fa3_on_device.sh): put the Triton of
+# Sourced by the device scripts (run_on_device.sh): put the Triton of
 # TRITON_TARBALL (a slim build, carried) first on PYTHONPATH, compiling with the ptxas that release's
 # wheel ships, as a user's compiles do:
 #

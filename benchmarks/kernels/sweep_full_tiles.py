@@ -5,9 +5,11 @@
 On the GPU machine (no vLLM: upstream's op comes from ``fetch_peers.sh``'s files). Each candidate
 ``TileConfig`` of ``CANDIDATES`` runs every shape of ``SHAPES`` (checked against upstream's output:
 both are at the bf16 floor, so they agree to ~3e-3), timed by ``do_bench`` (median, L2 flushed),
-interleaved over two rounds (the spread is the noise). ``gluon_full_attention.TILES`` takes the
-fastest per padded head dim by geometric mean; this script is how that choice was made and how to
-remake it on another GPU or Triton.
+interleaved over two rounds (the spread is the noise), with FA3 (``fetch_peers.sh``) for scale.
+``gluon_full_attention.default_tile`` takes the fastest by geometric mean per computed width
+(docs/benchmarks.md, "Hopper full-attention kernel: tile shapes"); this script is how that choice
+was made and how to remake it on another GPU or Triton. ``CANDIDATES`` holds the last call's
+candidates; the earlier calls' are in that section.
 """
 
 from __future__ import annotations

@@ -57,20 +57,6 @@ except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
     cta_barrier = async_load = commit_group = wait_group = reinterpret = None
     IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-# The FA3-structured kernel (gluon_window_attention_fa3) also needs Hopper's TMA and mbarriers:
-# ``tma_load`` is TMA global → shared, ``tma.async_copy_global_to_shared`` up to 3.7 and
-# ``tma.async_load`` from 3.8 (3.9 drops the old name); same arguments (descriptor, coordinates,
-# barrier, shared view). Kept apart so that a release without them costs only that kernel.
-try:
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    TMA_IMPORT_ERROR: str | None = IMPORT_ERROR
-except Exception as e:  # noqa: BLE001
-    mbarrier = tma = TensorDescriptor = tma_load = None
-    TMA_IMPORT_ERROR = f"{type(e).__name__}: {e}"
-
 _CAPABILITY_REASON: dict = {}  # device index -> why its compute capability rules the kernels out
 
 
@@ -95,7 +81,6 @@ def hopper_unavailable(device: torch.device) -> str | None:
     return _CAPABILITY_REASON[index]
 
 
-__all__ = ["CAPABILITY", "IMPORT_ERROR", "TESTED_TRITON", "hopper_unavailable", "TMA_IMPORT_ERROR", "TensorDescriptor", "mbarrier", "tma_load",
-           "async_load", "commit_group", "cta_barrier", "fence_async_shared", "gl",
-           "gluon", "reinterpret", "wait_group", "warpgroup_mma", "warpgroup_mma_init",
-           "warpgroup_mma_wait"]
+__all__ = ["CAPABILITY", "IMPORT_ERROR", "TESTED_TRITON", "async_load", "commit_group",
+           "cta_barrier", "fence_async_shared", "gl", "gluon", "hopper_unavailable", "reinterpret",
+           "wait_group", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait"]

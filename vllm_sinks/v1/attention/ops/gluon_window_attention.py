@@ -257,11 +257,9 @@ if gluon is not None:
         return raw
 
     @gluon.jit
-    def _finish_scores(raw, NB: gl.constexpr, s_layout: gl.constexpr,
-                       OUTSTANDING: gl.constexpr = 0):
-        """Wait for ``_band_scores``' wgmmas; the scores as NB [M, 16] blocks. OUTSTANDING: wgmma
-        groups issued after them that may stay in flight (the FA3-structured kernel's overlap)."""
-        raw = warpgroup_mma_wait(OUTSTANDING, deps=raw)
+    def _finish_scores(raw, NB: gl.constexpr, s_layout: gl.constexpr):
+        """Wait for ``_band_scores``' wgmmas; the scores as NB [M, 16] blocks."""
+        raw = warpgroup_mma_wait(0, deps=raw)
         scores = ()
         for i in gl.static_range(NB // 2):
             lo, hi = _halves(raw[i], s_layout)
