@@ -3,7 +3,8 @@
     python3 benchmarks/kernels/benchmark_stream.py [--peers .gpu/peers] [--passes 48] [--out DIR]
     TRITON_INTERPRET=1 python3 benchmarks/kernels/benchmark_stream.py --cpu-smoke   # CPU: it runs
 
-A fresh process per path, so that nothing of one path is seen by another, each on a warmed GPU
+A fresh process per path (``--rounds`` of them, the paths in turn; each pass is reported as its
+median over them), so that nothing of one path is seen by another, each on a warmed GPU
 (``gpu_warmup``), after one throwaway process that ran every path once, so that Triton's disk
 cache holds every kernel and no compile is timed:
 
@@ -67,11 +68,15 @@ class Config:
     window: int = 64
     seed: int = 0
     device: str = "cuda"
+    #: fresh processes per path, in turn (upstream, patched, ours, no table, then again): each pass
+    #: is reported as its median over them. One process's total moved by a third on the MiMo
+    #: workload where three paths ran the same code (session 21, Triton 3.9.0).
+    rounds: int = 3
 
 
 #: --cpu-smoke: the same code on Triton's interpreter, small enough to run in a test
 SMOKE = Config(passes=2, layers=2, tokens=(8, 40), dtype="float32", full_heads=(2, 2, 16),
-               mimo_heads=(4, 2, 16), window=4, device="cpu")
+               mimo_heads=(4, 2, 16), window=4, device="cpu", rounds=1)
 
 
 def stream_of_passes(cfg: Config) -> list[list[int]]:
@@ -225,6 +230,20 @@ def spawn(paths: list[str], args, cfg: Config, out_file: Path) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
+def merge_rounds(rounds: list[dict], workloads: list[str]) -> dict:
+    """One path's processes as one result: each pass's median over them, and each process's
+    totals (``round_totals``: the spread the report prints)."""
+    merged = dict(rounds[0])
+    for w in workloads:
+        merged[w] = {k: [statistics.median(r[w][k][i] for r in rounds)
+                         for i in range(len(rounds[0][w][k]))] for k in ("first", "again")}
+        merged[w]["round_totals"] = {k: [sum(r[w][k]) for r in rounds] for k in ("first", "again")}
+    merged["op_syncs"] = sum(r["op_syncs"] for r in rounds)
+    merged["op_sync_ms"] = sum(r["op_sync_ms"] for r in rounds)
+    merged["rounds"] = len(rounds)
+    return merged
+
+
 def summary(ms: list[float]) -> dict:
     ordered = sorted(ms)
     return dict(total=sum(ms), median=statistics.median(ms),
@@ -246,6 +265,14 @@ def markdown(results: list[dict], header: str, workloads: list[str]) -> str:
                 cells += [f"{s['total']:.1f}", f"{s['median']:.2f}", f"{s['p90']:.2f}", ratio]
             out.append("| " + " | ".join(cells) + " |")
     out.append("")
+    for w in workloads:
+        spread = "; ".join(
+            f"{r['path']} " + ", ".join(f"{min(t):.0f}–{max(t):.0f}"
+                                        for t in r[w]["round_totals"].values())
+            for r in results if "round_totals" in r[w])
+        if spread:
+            out.append(f"- {w}: total ms of each process, min–max (first sight, seen again): "
+                       f"{spread}")
     for r in results:
         out.append(f"- {r['path']}: measured at run time: {r['op_syncs']} synchronisations inside "
                    f"the op ({r['op_sync_ms']:.1f} ms), no timing; table classes decided: "
@@ -257,6 +284,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peers", default=None)
     ap.add_argument("--passes", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None, help="fresh processes per path (default 3)")
     ap.add_argument("--workloads", default="full,mimo")
     ap.add_argument("--out", default=os.environ.get("OUT") or None)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny, on Triton's interpreter")
@@ -266,6 +294,10 @@ def main(argv=None):
     cfg = SMOKE if args.cpu_smoke else Config()
     if args.passes is not None:
         cfg = dataclasses.replace(cfg, passes=args.passes)
+    if args.rounds is not None:
+        if args.rounds < 1:
+            sys.exit("--rounds: at least 1")
+        cfg = dataclasses.replace(cfg, rounds=args.rounds)
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the op modules import Triton
     elif not torch.cuda.is_available():
@@ -279,17 +311,20 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         spawn(list(PATHS), args, cfg, Path(tmp) / "warm-up.json")  # Triton's disk cache, thrown away
         warm_s = time.perf_counter() - t0
-        results = []
-        for i, path in enumerate(PATHS):
-            out_file = Path(tmp) / f"{i}.json"
-            spawn([path], args, cfg, out_file)
-            results += json.loads(out_file.read_text())
+        rounds = {path: [] for path in PATHS}
+        for n in range(cfg.rounds):  # the paths in turn, so that a slow spell hits all of them
+            for i, path in enumerate(PATHS):
+                out_file = Path(tmp) / f"{n}-{i}.json"
+                spawn([path], args, cfg, out_file)
+                rounds[path] += json.loads(out_file.read_text())
+        results = [merge_rounds(rounds[path], workloads) for path in PATHS]
     import triton
 
     device = "CPU (interpreter)" if args.cpu_smoke else torch.cuda.get_device_name()
     header = (f"A server's stream: {cfg.passes} passes of {cfg.images[0]}–{cfg.images[1]} images of "
-              f"{cfg.tokens[0]}–{cfg.tokens[1]} tokens (new per pass), {cfg.layers} layers, a fresh "
-              f"process per path after a warm-up process; full: {cfg.full_heads[0]}/"
+              f"{cfg.tokens[0]}–{cfg.tokens[1]} tokens (new per pass), {cfg.layers} layers, "
+              f"{cfg.rounds} fresh process(es) per path in turn after a warm-up process, each pass "
+              f"its median over them; full: {cfg.full_heads[0]}/"
               f"{cfg.full_heads[1]} heads, D {cfg.full_heads[2]}; mimo: {cfg.mimo_heads[0]}/"
               f"{cfg.mimo_heads[1]} heads, D {cfg.mimo_heads[2]}, window {cfg.window}, key-0 sinks; "
               f"{cfg.dtype}; {device}, torch {torch.__version__}, triton {triton.__version__}; "
