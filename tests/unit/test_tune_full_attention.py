@@ -52,3 +52,9 @@ def test_the_shipped_tables_measured_the_kernels_in_this_tree():
         measured = json.loads(path.read_text())["kernels"]
         assert measured == now, (f"{path.name} measured kernels {measured}, the tree has {now}: "
                                  "re-run benchmarks/kernels/run_on_device.sh tune under that Triton")
+
+
+def test_the_fingerprint_is_of_code_not_of_comments():
+    code = 'def f(x):\n    """Doc."""\n    return x + 1  # why\n'
+    assert tune._code_of(code) == tune._code_of('def f(x):\n    # reworded\n    return x + 1\n')
+    assert tune._code_of(code) != tune._code_of('def f(x):\n    return x + 2\n')

@@ -14,8 +14,9 @@ flash-attention loop, written for Hopper:
   programs sharing an SM run out of step, see ``default_tile``); its queries stay in shared
   memory, the A operand of every Q · Kᵀ wgmma;
 - keys and values stream through a ring of ``STAGES`` shared-memory slots by cp.async, issued
-  ``STAGES - 1`` blocks ahead of their use, so a block's load overlaps the work on the blocks
-  before it (upstream's kernel loads each block when it needs it);
+  ``STAGES - 1`` blocks ahead of their use (``STAGES - 2`` where the previous block's P · V may
+  still read its slot: ``defer_pv``, ``overlap``), so a block's load overlaps the work on the
+  blocks before it (upstream's kernel loads each block when it needs it);
 - S = Q · Kᵀ and O += P · V on the tensor cores (asynchronous wgmma, P from registers), the
   online softmax in fp32 registers in base 2;
 - only blocks a mask can cut are masked: the last block of the sequence, and under causality
