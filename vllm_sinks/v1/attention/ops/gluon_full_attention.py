@@ -486,6 +486,8 @@ class FullLaunch:
             return None  # rows that do not start on 16 bytes: cp.async copies 4 bytes or more
         parts = head_dim_parts(p.head_dim)
         tile = tile or default_tile(p.is_causal)
+        if tile.defer_pv and tile.overlap:
+            raise ValueError(f"{tile}: defer_pv and overlap are two schedules; take one")
         if tile.stages - 1 - (tile.defer_pv or tile.overlap) < 1:
             raise ValueError(f"{tile}: no ring slot left to load ahead (stages too few)")
         constexprs = dict(HEAD_DIM=p.head_dim, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,

@@ -1,0 +1,58 @@
+"""The Hopper full-attention kernel's planning on the CPU (the platform check stood in for): which
+calls it takes, the tile it takes them with, and the tiles it refuses. Its numbers are checked on
+the GPU (tests/gpu/test_full_attention_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_sinks.v1.attention.ops import gluon_full_attention as gf
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate
+
+
+def _call(head_dim=80, is_causal=False, dtype=torch.bfloat16, window=None):
+    q = torch.randn(300, 4, head_dim, dtype=dtype)
+    k, v, o = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
+    start, length = torch.tensor([0, 100], dtype=torch.int32), torch.tensor([100, 200], dtype=torch.int32)
+    p = validate(q, k, v, o, start, length, 200, softmax_scale=None, is_causal=is_causal,
+                 sliding_window_q=window, sliding_window_k=window, sinks=None, sinks_bias_key0=False)
+    return p, (q, k, v, o, start, length, None)
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    monkeypatch.setattr(gf, "full_unavailable", lambda device: None)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_default_tile_is_the_swept_one(on_hopper, is_causal):
+    p, args = _call(is_causal=is_causal)
+    launch = gf.FullLaunch.plan(p, *args)
+    assert launch.block_m == 64 and launch.options["num_warps"] == 4
+    c = launch.constexprs
+    assert (c["BLOCK_N"], c["STAGES"], c["DEFER_PV"], c["OVERLAP"]) == (64, 3, not is_causal, is_causal)
+    assert (c["D0"], c["D1"]) == (64, 16)  # 80 = 64 + 16
+
+
+@pytest.mark.parametrize("tile, match", [
+    (gf.TileConfig(64, 64, 3, defer_pv=True, overlap=True), "two schedules"),
+    (gf.TileConfig(64, 64, 2, overlap=True), "no ring slot"),
+    (gf.TileConfig(64, 64, 1), "no ring slot"),
+])
+def test_a_tile_that_cannot_run_is_refused_by_name(on_hopper, tile, match):
+    p, args = _call()
+    with pytest.raises(ValueError, match=match):
+        gf.FullLaunch.plan(p, *args, tile=tile)
+
+
+@pytest.mark.parametrize("call", [dict(window=32), dict(head_dim=256), dict(dtype=torch.float32)])
+def test_calls_it_does_not_take(on_hopper, call):
+    p, args = _call(**call)
+    assert gf.takes(p) is not None and gf.FullLaunch.plan(p, *args) is None
+
+
+def test_off_hopper_it_takes_nothing():
+    p, args = _call()
+    assert gf.full_unavailable(p.device) is not None
+    assert gf.FullLaunch.plan(p, *args) is None
