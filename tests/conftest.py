@@ -65,6 +65,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=HOW_TO_RUN_GPU))
         if item.get_closest_marker("vllm") and not has_vllm:
             item.add_marker(pytest.mark.skip(reason=HOW_TO_RUN_VLLM))
+    if getattr(config.option, "numprocesses", None):
+        # Under pytest-xdist (scripts/test.sh: `-n 2 --dist loadfile`) a module is one unit of work,
+        # handed out in this order: the slow modules (one vLLM start after another, minutes each)
+        # first, so that the quick ones fill the other worker instead of waiting at the end. Stable:
+        # a module's own order is kept.
+        items.sort(key=lambda item: not item.get_closest_marker("slow"))
     platform_items = [item for item in items if item.get_closest_marker("vllm_platform")]
     if has_vllm and platform_items and _vllm_platform_unspecified():
         for item in platform_items:
