@@ -18,7 +18,12 @@ dims, dtypes, causal or not, query / KV heads, length buckets 2**6 … 2**14):
 - ours is the front door with no upstream registered (``use_upstream_op(None)``: the kernels we
   ship), upstream is its raw ``context_attention_fwd``;
 - the class's ratio is the worst variant's upstream time / ours (0 where ours failed); the verdict
-  is "ours" only where that ratio is at least 1 / ``full_attention_table.MARGIN``.
+  is "ours" only where that ratio is at least 1 / ``full_attention_table.MARGIN``;
+- first, each group's tile: the candidates of ``tile_candidates`` (the kernel's default first)
+  timed on the group's classes of ``TILE_BUCKETS``, the fastest kept where it beats the default
+  by ``TILE_MARGIN`` (the table's ``tiles``, with every candidate's time); the classes are then
+  timed with the chosen tile, which the front door reads from the same table
+  (``full_attention_table.tile_of``), so the verdicts are of the tile users run.
 
 Compiling is most of the cost on a fresh machine (~1–2 s per kernel variant): with ``--jobs N``
 (default: the CPU count - 1, at most 15) worker processes first make one call of each op on each
@@ -42,10 +47,13 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from vllm_sinks.v1.attention.ops import full_attention_table as fat  # noqa: E402
+from vllm_sinks.v1.attention.ops import gluon_full_attention as gf  # noqa: E402
 
 #: (head dim, dtype, causal) groups. Non-causal is what the op's full-attention callers pass (vLLM's
 #: ViT wrapper, encoder-only attention); causal is measured on the head dims decoders use.
@@ -71,6 +80,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 #: --dry-run: one group, one head shape, four buckets (the lookup interpolates between them).
 DRY_GROUPS, DRY_HEADS, DRY_BUCKETS = [(80, "bfloat16", False)], ((16, 16),), (6, 8, 10, 12)
 DRY_IDENTITY = ("dry-run CPU", (0, 0))
+DRY_TILE_BUCKETS = (12,)
+#: Where each group's tile is chosen: its classes of these length buckets (every head shape).
+TILE_BUCKETS = (12, 14)
+#: A candidate replaces the default tile only below this share of its time (geometric mean over
+#: the probe's variants): what two rounds resolve, so noise does not flip a group's tile.
+TILE_MARGIN = 0.97
 #: Our kernels' sources: the table's "kernels" field says which code it measured.
 KERNEL_FILES = ("prefill_attention_portable.py", "gluon_full_attention.py", "gluon_api.py",
                 "prefill_attention_problem.py", "kernel_launcher.py")
@@ -126,8 +141,11 @@ def _busy(seconds: float) -> None:
 
 
 def dry_ours(q, k, v, o, starts, lens, max_len, causal):
-    """--dry-run's stand-in for ours: fast on short sequences, slow on long ones."""
-    _busy(50e-6 if max_len <= 256 else 400e-6)
+    """--dry-run's stand-in for ours: fast on short sequences, slow on long ones, and faster on
+    long ones with a register cap in the table's tile for its group (so the choice shows)."""
+    tile = fat.tile_of(q.device, q.shape[-1], q.dtype, causal)
+    capped = tile is not None and tile["maxnreg"] is not None
+    _busy(50e-6 if max_len <= 256 else (300e-6 if capped else 400e-6))
 
 
 def dry_upstream(q, k, v, o, starts, lens, max_len, causal):
@@ -152,18 +170,27 @@ def ops(dry_run: bool, peers_dir):
 
 # ---- compiling first, in parallel ---------------------------------------------------------------------
 
-def _compile_unit(unit: tuple, dry_run: bool, peers_dir, buckets: tuple) -> tuple[tuple, float, list]:
-    """One call of each op on every variant of one (group, heads) pair: what the timing will run,
-    compiled into Triton's disk cache. Runs in a worker process."""
+def _compile_unit(unit: tuple, dry_run: bool, peers_dir, buckets: tuple, tile_buckets: tuple,
+                  scratch: Path, identity: tuple) -> tuple[tuple, float, list]:
+    """One call of each op on every variant of one (group, heads) pair, and of ours under each
+    other candidate tile on the variants that choose the tile: what the timing will run, compiled
+    into Triton's disk cache. Runs in a worker process."""
     t0 = time.perf_counter()
-    (head_dim, dtype, causal), (hq, hkv) = unit
+    set_run_identity(*identity, dry_run)
+    group, (hq, hkv) = unit
+    head_dim, dtype, causal = group
     ours, upstream, sync = ops(dry_run, peers_dir)
     device = "cpu" if dry_run else "cuda"
     errors = []
-    for bucket in buckets:
+    work = [(b, (("ours", ours), ("upstream", upstream)), None) for b in buckets]
+    for i, tile in enumerate(tile_candidates(head_dim, causal)[1:], 1):
+        work += [(b, (("ours", ours), ), tile) for b in tile_buckets]
+    for n, (bucket, fns, tile) in enumerate(work):
+        if tile is not None:
+            use_tiles({group: tile}, scratch / f"compile-{os.getpid()}-{n}")
         for var in variants(bucket):
             args = inputs(head_dim, DTYPES[dtype], hq, hkv, var.lens, device, fill=False)
-            for name, fn in (("ours", ours), ("upstream", upstream)):
+            for name, fn in fns:
                 if fn is None:
                     continue
                 try:
@@ -171,16 +198,19 @@ def _compile_unit(unit: tuple, dry_run: bool, peers_dir, buckets: tuple) -> tupl
                 except Exception as e:  # noqa: BLE001 - the timing records it again
                     errors.append(f"{name} {var.label}: {type(e).__name__}: {e}"[:200])
             del args
+        fat.use_table_dir()
     sync()
     return unit, time.perf_counter() - t0, errors
 
 
-def compile_first(units: list, jobs: int, dry_run: bool, peers_dir, buckets) -> float:
+def compile_first(units: list, jobs: int, dry_run: bool, peers_dir, buckets, tile_buckets,
+                  scratch: Path) -> float:
     """Fill Triton's disk cache with ``jobs`` worker processes; seconds it took."""
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(_compile_unit, u, dry_run, peers_dir, buckets) for u in units]
+        futures = [pool.submit(_compile_unit, u, dry_run, peers_dir, buckets, tile_buckets, scratch,
+                               _identity_of_run()) for u in units]
         for f in concurrent.futures.as_completed(futures):
             unit, seconds, errors = f.result()
             for e in errors[:2]:
@@ -240,6 +270,91 @@ def measure_class(group, heads, bucket, ours, upstream, sync, device, fill) -> d
         del args
     c = fat.ShapeClass(head_dim, dtype, causal, hq // hkv, fat.heads_bucket(hq), bucket)
     return dict(dataclasses.asdict(c), ratio=min(r["ratio"] for r in rows), variants=rows)
+
+
+# ---- the tile of each group ----------------------------------------------------------------------------
+
+def tile_candidates(head_dim: int, causal: bool) -> list[dict]:
+    """The tiles timed for a group, the kernel's default first. What the compiler does with a
+    tile moves between Triton releases (session 21: ptxas 12.9 of 3.8.0 spilled at head dim 128
+    where 3.9.0's did not, and held 206 registers at head dim 64 where 3.7.1 and 3.9.0 held 161),
+    so each release's table measures them: the default with a cap of 168 registers (three
+    64-row programs of 128 threads fit the 65536 registers of an SM, two at more than 170), and
+    the default's other schedule (P · V deferred, or softmax overlapped)."""
+    default = gf.default_tile(causal)._asdict()
+    other = dict(default, defer_pv=default["overlap"], overlap=default["defer_pv"])
+    return [default, dict(default, maxnreg=168), other]
+
+
+def _tiles_document(tiles: dict) -> dict:
+    """A table document that holds only tiles (no entries: ours is timed with no upstream)."""
+    gpu, cap = _identity_of_run()
+    import triton
+
+    rows = [dict(head_dim=g[0], dtype=g[1], causal=g[2], tile=t) for g, t in tiles.items()]
+    return fat.table_document(gpu, cap, triton.__version__, [], tiles=rows)
+
+
+_RUN_IDENTITY: list = []  # (gpu, capability) of this run (the dry run's stand-in identity)
+
+
+def _identity_of_run() -> tuple:
+    return _RUN_IDENTITY[0]
+
+
+def set_run_identity(gpu: str, cap: tuple, dry_run: bool) -> None:
+    """The device the tables of this run are for. The dry run's stand-in device (the CPU) has no
+    tables of its own, so the lookup is told it is ``DRY_IDENTITY`` (this process only)."""
+    _RUN_IDENTITY[:] = [(gpu, tuple(cap))]
+    if dry_run:
+        import triton
+
+        fat.device_identity = lambda device: (gpu, tuple(cap), triton.__version__)
+
+
+def use_tiles(tiles: dict, directory: Path) -> None:
+    """Make the front door run ``tiles`` ({group: tile}) through its own lookup: a table of them
+    alone in ``directory``."""
+    write(_tiles_document(tiles), [directory])
+    fat.use_table_dir(directory)
+
+
+def choose_tiles(groups, heads_list, buckets, ours, sync, device, fill, scratch: Path) -> list[dict]:
+    """Per group: each candidate of ``tile_candidates`` timed on the classes of ``buckets``
+    (every head shape, every variant; candidates in turn per variant, the order rotated every
+    round), the fastest by geometric mean kept where it beats the default by ``TILE_MARGIN``.
+    Returns the table's ``tiles`` rows (with every candidate's time)."""
+    rows = []
+    for n, group in enumerate(groups):
+        head_dim, dtype, causal = group
+        candidates = tile_candidates(head_dim, causal)
+        logs = [[] for _ in candidates]
+        for hq, hkv in heads_list:
+            for bucket in buckets:
+                for var in variants(bucket):
+                    args = inputs(head_dim, DTYPES[dtype], hq, hkv, var.lens, device, fill)
+                    bound = max(var.lens)
+                    best = [float("inf")] * len(candidates)
+                    for r in range(ROUNDS):
+                        for i in (range(len(candidates)) if r % 2 == 0 else
+                                  reversed(range(len(candidates)))):
+                            use_tiles({group: candidates[i]}, scratch / f"g{n}c{i}")
+                            run = lambda: ours(*args, bound, causal)  # noqa: E731
+                            run()  # the first call of a tile compiles (workers filled the cache)
+                            calls = max(MIN_CALLS, min(MAX_CALLS, int(BLOCK_S / max(block_s(run, 1, sync), 1e-7))))
+                            best[i] = min(best[i], block_s(run, calls, sync) / calls)
+                    for i, t in enumerate(best):
+                        logs[i].append(math.log(t))
+                    del args
+        means = [math.exp(sum(x) / len(x)) for x in logs]
+        pick = min(range(len(candidates)), key=means.__getitem__)
+        if means[pick] > TILE_MARGIN * means[0]:
+            pick = 0
+        rows.append(dict(head_dim=head_dim, dtype=dtype, causal=causal, tile=candidates[pick],
+                         candidates=[dict(tile=c, geomean_us=round(m * 1e6, 2))
+                                     for c, m in zip(candidates, means)]))
+    fat.use_table_dir()
+    return rows
 
 
 # ---- the table --------------------------------------------------------------------------------------------
@@ -349,14 +464,26 @@ def main(argv=None) -> Path:
           f"{n_classes} classes, {3 * n_classes} variants; kernels to compile: ~{ours_kernels} of ours "
           f"(portable; more where a Hopper kernel takes the calls) + {upstream_kernels} of "
           f"upstream's", flush=True)
+    set_run_identity(gpu, cap, args.dry_run)
+    tile_buckets = DRY_TILE_BUCKETS if args.dry_run else TILE_BUCKETS
+    scratch = Path(tempfile.mkdtemp(prefix="tune-tiles-"))
     compile_s = 0.0
     if args.jobs > 1:
-        compile_s = compile_first(units, args.jobs, args.dry_run, args.peers, buckets)
+        compile_s = compile_first(units, args.jobs, args.dry_run, args.peers, buckets, tile_buckets,
+                                  scratch)
         print(f"[tune] compiled in {args.jobs} workers: {compile_s:.1f} s", flush=True)
     if not args.dry_run:
         from benchmarks.kernels.gpu_warmup import warm_gpu
 
         warm_gpu()
+    t_tiles = time.perf_counter()
+    tiles = choose_tiles(groups, heads_list, tile_buckets, ours, sync, device, fill, scratch)
+    tiles_s = time.perf_counter() - t_tiles
+    for row in tiles:
+        times = ", ".join(f"{_tile_name(c['tile'])} {c['geomean_us']} µs" for c in row["candidates"])
+        print(f"[tune] tile of {row['head_dim']}/{row['dtype']}/{'causal' if row['causal'] else 'full'}: "
+              f"{_tile_name(row['tile'])} ({times})", flush=True)
+    use_tiles({(r["head_dim"], r["dtype"], r["causal"]): r["tile"] for r in tiles}, scratch / "chosen")
     t_measure = time.perf_counter()
     entries = []
     for group, heads in units:
@@ -367,12 +494,14 @@ def main(argv=None) -> Path:
         if device == "cuda":
             torch.cuda.empty_cache()
     measure_s = time.perf_counter() - t_measure
+    fat.use_table_dir()
+    shutil.rmtree(scratch, ignore_errors=True)
     about = dict(torch=torch.__version__, triton_full=triton.__version__,
                  ptxas=_ptxas(args.dry_run), upstream=_upstream_source(args.peers, args.dry_run),
                  kernels=kernels_fingerprint(), measured=datetime.datetime.now(datetime.timezone.utc)
                  .strftime("%Y-%m-%dT%H:%M:%SZ"), by="benchmarks/kernels/tune_full_attention.py",
                  seconds=round(time.perf_counter() - t_start, 1))
-    doc = fat.table_document(gpu, cap, triton.__version__, entries, **about)
+    doc = fat.table_document(gpu, cap, triton.__version__, entries, tiles=tiles, **about)
     directories = [Path(args.tables_dir) if args.tables_dir else fat.SHIPPED_DIR]
     if args.out:
         directories.append(Path(args.out) / "tables")
@@ -382,9 +511,15 @@ def main(argv=None) -> Path:
     print_table(doc)
     ours_n = sum(e["verdict"] == "ours" for e in doc["entries"])
     print(f"\n[tune] {len(entries)} classes ({ours_n} ours); wrote {', '.join(map(str, paths))}")
-    print(f"[tune] took {time.perf_counter() - t_start:.1f} s (compile {compile_s:.1f} s, timing "
-          f"{measure_s:.1f} s)", flush=True)
+    print(f"[tune] took {time.perf_counter() - t_start:.1f} s (compile {compile_s:.1f} s, tiles "
+          f"{tiles_s:.1f} s, timing {measure_s:.1f} s)", flush=True)
     return paths[0]
+
+
+def _tile_name(t: dict) -> str:
+    cap = f" r{t['maxnreg']}" if t["maxnreg"] else ""
+    return (f"{t['block_m']}x{t['block_n']} s{t['stages']}{' defer' if t['defer_pv'] else ''}"
+            f"{' overlap' if t['overlap'] else ''}{cap}")
 
 
 def _ptxas(dry_run: bool) -> str:

@@ -202,3 +202,94 @@ def test_a_malformed_table_warns_once_and_falls_back(on_h200, content):
         warnings.simplefilter("error")
         assert fat.ours_faster(PREFIX, 1000) is False
         assert fat.ours_faster(PREFIX, 100) is False  # another class: the table is not read again
+
+
+# ---- the tile a table chose per group ---------------------------------------------------------------
+
+CAPPED = dict(block_m=64, block_n=64, stages=3, defer_pv=True, overlap=False, maxnreg=168)
+
+
+def tiled_document(*tiles):
+    rows = [dict(head_dim=80, dtype="bfloat16", causal=False, tile=t, candidates=[]) for t in tiles]
+    return fat.table_document(*H200, [entry(10, 1.2)], tiles=rows)
+
+
+def test_a_table_without_tiles_has_none_and_its_tiles_are_read_by_group():
+    assert fat.parse_table(good_document()).tiles == {}
+    assert fat.parse_table(tiled_document(CAPPED)).tiles == {(80, "bfloat16", False): CAPPED}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(tiles={}), "tiles must be a list"),
+    (lambda d: d["tiles"][0].pop("tile"), "tile 0 is not an object with a 'tile' object"),
+    (lambda d: d["tiles"][0].update(causal=1), "tile 0: causal must be true or false"),
+    (lambda d: d["tiles"][0]["tile"].pop("maxnreg"), "tile must have exactly the fields"),
+    (lambda d: d["tiles"][0]["tile"].update(stages=9), "tile stages must be one of"),
+    (lambda d: d["tiles"][0]["tile"].update(defer_pv=1), "tile defer_pv must be one of"),
+    (lambda d: d["tiles"][0]["tile"].update(maxnreg=170), "tile maxnreg must be one of"),
+    (lambda d: d["tiles"].append(dict(d["tiles"][0])), "tile 1 repeats the group"),
+])
+def test_a_malformed_tile_says_what_is_wrong(edit, match):
+    doc = tiled_document(dict(CAPPED))
+    edit(doc)
+    with pytest.raises(fat.TableError, match=match):
+        fat.parse_table(doc, "t.json")
+
+
+def test_tile_of_reads_the_devices_table(on_h200):
+    directory, current = on_h200
+    write(directory, tiled_document(CAPPED))
+    cpu = torch.device("cpu")
+    assert fat.tile_of(cpu, 80, torch.bfloat16, False) == CAPPED
+    assert fat.tile_of(cpu, 80, torch.bfloat16, True) is None  # another group: the default tile
+    assert fat.tile_of(cpu, 64, torch.float16, False) is None
+    current["value"] = ("NVIDIA H200", (9, 0), "3.9.0")  # no table for that Triton
+    fat.use_table_dir(directory)
+    assert fat.tile_of(cpu, 80, torch.bfloat16, False) is None
+
+
+class _FakeFullLaunch:
+    """Stands in for the Hopper kernel's ``FullLaunch`` (no GPU here): records the tiles asked for
+    and refuses the ones its ``refuse`` says."""
+
+    def __init__(self, refuse=lambda tile: False):
+        self.asked, self.refuse = [], refuse
+
+    def plan(self, p, q, k, v, o, starts, lens, sinks, tile=None):
+        self.asked.append(tile)
+        if tile is not None and self.refuse(tile):
+            raise ValueError("refused for the test")
+        return ("launch", tile)
+
+
+def _problem():
+    from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate
+
+    q = torch.zeros(32, 16, 80, dtype=torch.bfloat16)
+    starts, lens = torch.tensor([0], dtype=torch.int32), torch.tensor([32], dtype=torch.int32)
+    p = validate(q, q, q, q, starts, lens, 32, False, None, None, None, None, False)
+    return p, (q, q, q, q, starts, lens, None)
+
+
+def test_the_front_door_plans_the_tables_tile_and_falls_back_once_when_refused(on_h200):
+    from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+    from vllm_sinks.v1.attention.ops.gluon_full_attention import TileConfig
+
+    directory, _ = on_h200
+    p, args = _problem()
+    fake = _FakeFullLaunch()
+    assert op._full_launch(fake, p, *args) == ("launch", None)  # no table: the default tile
+    write(directory, tiled_document(CAPPED))
+    fat.use_table_dir(directory)
+    assert op._full_launch(fake, p, *args) == ("launch", TileConfig(**CAPPED))
+    refusing = _FakeFullLaunch(refuse=lambda tile: True)
+    op._REFUSED_TILES.clear()
+    try:
+        with pytest.warns(UserWarning, match="tile .* is refused"):
+            assert op._full_launch(refusing, p, *args) == ("launch", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # refused once: not asked again, not warned again
+            assert op._full_launch(refusing, p, *args) == ("launch", None)
+        assert refusing.asked == [TileConfig(**CAPPED), None, None]
+    finally:
+        op._REFUSED_TILES.clear()

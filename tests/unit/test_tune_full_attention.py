@@ -28,8 +28,14 @@ def test_a_dry_run_writes_a_table_the_lookup_reads(tmp_path, monkeypatch):
     assert path.name == fat.table_name(gpu, cap, json.loads(path.read_text())["triton_full"])
     table = fat.load_table(path)
     verdicts = {c.length_bucket: ours for c, (ours, _) in table.entries.items()}
-    # the stand-ins: ours 4x faster up to 256 tokens, 2x slower beyond
+    # the stand-ins: ours 4x faster up to 256 tokens, 1.5x slower beyond (2x without its cap)
     assert verdicts == {6: True, 8: True, 10: False, 12: False}
+    # the tile: the stand-in is faster with a register cap, so that candidate was chosen, and the
+    # classes were then timed with it
+    (d, dtype, causal), = tune.DRY_GROUPS
+    chosen = dict(tune.tile_candidates(d, causal)[0], maxnreg=168)
+    assert table.tiles == {(d, dtype, causal): chosen}
+    assert 1.3 < 1 / table.entries[next(c for c in table.entries if c.length_bucket == 12)][1] < 1.7
     d, dtype, causal = tune.DRY_GROUPS[0]
     hq, hkv = tune.DRY_HEADS[0]
     monkeypatch.setattr(fat, "device_identity", lambda device: (gpu, cap, triton.__version__))

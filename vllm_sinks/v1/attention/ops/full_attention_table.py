@@ -31,6 +31,12 @@ malformed table). Decisions are cached per class and device in a dict: a stream 
 one dict lookup per new call signature, nothing on the device. A malformed table never fails a
 user's call: it warns once and every class of that device falls back.
 
+A table may also name, per (head dim, dtype, causal) group, the tile ours runs there (``tiles``,
+``tile_of``): the tune script times candidate tiles on the group's long classes under the
+table's Triton and keeps the fastest, so a choice that depends on the compiler (registers,
+spills) is measured per release rather than fixed in code. The front door passes it to the
+Hopper kernel's plan for every call of the group; a group without one runs the default tile.
+
 The table read may be pointed elsewhere (``use_table_dir``: the tune script's fresh table, the
 stream benchmark's fallback run, tests); this module imports torch only.
 """
@@ -128,6 +134,9 @@ class Table:
     margin: float
     #: class -> (ours faster, ratio upstream / ours)
     entries: dict
+    #: (head dim, dtype, causal) -> the tile ours ran there (``TILE_FIELDS``), where the tune
+    #: script chose one by timing candidates; a group without one runs the kernel's default tile
+    tiles: dict = dataclasses.field(default_factory=dict)
 
     def decide(self, c: ShapeClass) -> bool | None:
         """True: ours; False: upstream's op; None: the table cannot say (the caller falls back)."""
@@ -192,6 +201,32 @@ def _entry(e, source: str, where: str, margin: float) -> tuple[ShapeClass, tuple
     return c, (ours, float(ratio))
 
 
+#: A tile's fields as ``gluon_full_attention.TileConfig`` takes them, with what each may hold (the
+#: kernel's ``FullLaunch.plan`` checks the combination).
+TILE_FIELDS = {"block_m": (64, 128), "block_n": (32, 64, 128), "stages": (2, 3, 4, 5),
+               "defer_pv": (False, True), "overlap": (False, True),
+               "maxnreg": (None, *range(24, 257, 8))}
+
+
+def _tile(e, source: str, where: str) -> tuple[tuple, dict]:
+    _need(isinstance(e, dict) and isinstance(e.get("tile"), dict), source,
+          f"{where} is not an object with a 'tile' object")
+    for key, check, what in (("head_dim", lambda x: _int(x) and 1 <= x <= 256, "an int in 1..256"),
+                             ("dtype", lambda x: x in DTYPE_NAMES.values(), "a dtype name"),
+                             ("causal", lambda x: isinstance(x, bool), "true or false")):
+        _need(key in e and check(e[key]), source, f"{where}: {key} must be {what}, got {e.get(key)!r}")
+    tile = e["tile"]
+    _need(set(tile) == set(TILE_FIELDS), source,
+          f"{where}: tile must have exactly the fields {sorted(TILE_FIELDS)}, got {sorted(tile)}")
+    for key, allowed in TILE_FIELDS.items():
+        value = tile[key]
+        # 1 == True in Python: a bool is only a bool, an int only an int
+        ok = any(value == a and type(value) is type(a) for a in allowed)
+        _need(ok, source, f"{where}: tile {key} must be one of {allowed[:6]}…, got {value!r}"
+              if len(allowed) > 6 else f"{where}: tile {key} must be one of {allowed}, got {value!r}")
+    return (e["head_dim"], e["dtype"], e["causal"]), dict(tile)
+
+
 def parse_table(data, source: str = "table") -> Table:
     """A table from its JSON document (``json.load``'s result); TableError says what is wrong."""
     _need(isinstance(data, dict), source, "not a JSON object")
@@ -213,7 +248,14 @@ def parse_table(data, source: str = "table") -> Table:
         c, value = _entry(e, source, f"entry {i}", float(margin))
         _need(c not in table, source, f"entry {i} repeats the class of an earlier entry: {c}")
         table[c] = value
-    return Table(gpu, (cap[0], cap[1]), release, float(margin), table)
+    tiles_in = data.get("tiles", [])  # optional: a table without it runs the default tiles
+    _need(isinstance(tiles_in, list), source, "tiles must be a list")
+    tiles: dict = {}
+    for i, e in enumerate(tiles_in):
+        group, tile = _tile(e, source, f"tile {i}")
+        _need(group not in tiles, source, f"tile {i} repeats the group of an earlier one: {group}")
+        tiles[group] = tile
+    return Table(gpu, (cap[0], cap[1]), release, float(margin), table, tiles)
 
 
 def load_table(path: str | Path) -> Table:
@@ -227,13 +269,16 @@ def load_table(path: str | Path) -> Table:
 
 
 def table_document(gpu: str, capability: tuple[int, int], triton_version: str, entries: list[dict],
-                   margin: float = MARGIN, **about) -> dict:
+                   margin: float = MARGIN, tiles: list[dict] | None = None, **about) -> dict:
     """The JSON document of a table (what the tune script writes), checked by ``parse_table``.
     ``entries``: one dict per class (ShapeClass's fields, ``ratio``, anything informational such as
-    ``variants``); each verdict is derived here from its ratio. ``about``: provenance fields."""
+    ``variants``); each verdict is derived here from its ratio. ``tiles``: one dict per group
+    whose tile was chosen by timing (head_dim, dtype, causal, ``tile``, anything informational such
+    as the candidates' times). ``about``: provenance fields."""
     rows = [dict(e, verdict="ours" if e["ratio"] * margin >= 1.0 else "upstream") for e in entries]
     doc = dict(format=FORMAT, version=VERSION, gpu=gpu, capability=list(capability),
-               triton=triton_release(triton_version), margin=margin, **about, entries=rows)
+               triton=triton_release(triton_version), margin=margin, **about,
+               **({"tiles": tiles} if tiles else {}), entries=rows)
     parse_table(doc, f"table for {gpu}")
     return doc
 
@@ -314,3 +359,15 @@ def ours_faster(prefix: tuple, max_len: int) -> bool:
         verdict = bool(table is not None and table.decide(ShapeClass(*fields, key[1])))
         _DECISIONS[key] = verdict
     return verdict
+
+
+def tile_of(device: torch.device, head_dim: int, dtype: torch.dtype, causal: bool) -> dict | None:
+    """The tile the device's table chose for this (head dim, dtype, causality), as
+    ``TileConfig``'s keyword arguments; None where it chose none (the kernel's default tile)."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    table = _table_for((device.type, index))
+    if table is None:
+        return None
+    return table.tiles.get((head_dim, DTYPE_NAMES.get(dtype, str(dtype)), bool(causal)))

@@ -67,6 +67,7 @@ the C launch its kernel took before with the same length bound (``Plan.launch_se
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Callable
 
 from vllm_sinks.v1.attention.ops import full_attention_table, kernel_launcher
@@ -179,6 +180,29 @@ class Plan:
         return True
 
 
+_REFUSED_TILES: set = set()  # tiles of a table the kernel's plan refused (warned once each)
+
+
+def _full_launch(full_launch, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks):
+    """The Hopper full-attention launch of a call (``FullLaunch.plan``), with the tile the
+    device's table chose for its group (``full_attention_table.tile_of``) where it chose one. A
+    tile the plan refuses is the table's fault, not the caller's: warned once, default tile."""
+    tile = full_attention_table.tile_of(p.device, p.head_dim, p.dtype, p.is_causal)
+    if tile is not None:
+        from vllm_sinks.v1.attention.ops.gluon_full_attention import TileConfig
+
+        key = tuple(sorted(tile.items()))
+        if key not in _REFUSED_TILES:
+            try:
+                return full_launch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks,
+                                        tile=TileConfig(**tile))
+            except ValueError as e:
+                _REFUSED_TILES.add(key)
+                warnings.warn(f"vllm-sinks: the full-attention table's tile {tile} is refused "
+                              f"({e}); the default tile runs", stacklevel=4)
+    return full_launch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
+
+
 def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, softmax_scale=None,
          sliding_window_q=None, sliding_window_k=None, sinks=None, sinks_bias_key0=False,
          cu_seqlens: bool = False) -> Plan:
@@ -198,7 +222,7 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
 
         walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
         if walk is None:
-            full = FullLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
+            full = _full_launch(FullLaunch, p, q, k, v, o, b_start_loc, b_seq_len, sinks)
     portable = PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
     if not _UPSTREAM or not upstream_may_take(p):
         return Plan(walk, full, portable)
