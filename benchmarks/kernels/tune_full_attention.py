@@ -183,8 +183,9 @@ def _compile_unit(unit: tuple, dry_run: bool, peers_dir, buckets: tuple, tile_bu
     device = "cpu" if dry_run else "cuda"
     errors = []
     work = [(b, (("ours", ours), ("upstream", upstream)), None) for b in buckets]
-    for i, tile in enumerate(tile_candidates(head_dim, causal)[1:], 1):
-        work += [(b, (("ours", ours), ), tile) for b in tile_buckets]
+    if head_dim <= gf.MAX_HEAD_DIM:
+        work += [(b, (("ours", ours), ), tile) for tile in tile_candidates(head_dim, causal)[1:]
+                 for b in tile_buckets]
     for n, (bucket, fns, tile) in enumerate(work):
         if tile is not None:
             use_tiles({group: tile}, scratch / f"compile-{os.getpid()}-{n}")
@@ -327,6 +328,8 @@ def choose_tiles(groups, heads_list, buckets, ours, sync, device, fill, scratch:
     rows = []
     for n, group in enumerate(groups):
         head_dim, dtype, causal = group
+        if head_dim > gf.MAX_HEAD_DIM:
+            continue  # the portable kernel's group: no Hopper tile to choose
         candidates = tile_candidates(head_dim, causal)
         logs = [[] for _ in candidates]
         for hq, hkv in heads_list:
