@@ -294,11 +294,16 @@ def tile_candidates(head_dim: int, causal: bool) -> list[dict]:
     tile moves between Triton releases (session 21: ptxas 12.9 of 3.8.0 spilled at head dim 128
     where 3.9.0's did not, and held 206 registers at head dim 64 where 3.7.1 and 3.9.0 held 161),
     so each release's table measures them: the default with a cap of 168 registers (three
-    64-row programs of 128 threads fit the 65536 registers of an SM, two at more than 170), and
-    the default's other schedule (P · V deferred, or softmax overlapped)."""
+    64-row programs of 128 threads fit the 65536 registers of an SM, two at more than 170); the
+    default's other schedule (P · V deferred, or softmax overlapped); the default with neither;
+    and 32-key blocks in four slots, which no release spills (session 22's compile check on CPU,
+    kernel log: at head dim 128 the default spills 112 B under 3.8.0's ptxas 12.9, the plain
+    schedule and 32-key blocks none; the cap spills 72-480 B past head dim 64 everywhere)."""
     default = gf.default_tile(causal)._asdict()
     other = dict(default, defer_pv=default["overlap"], overlap=default["defer_pv"])
-    return [default, dict(default, maxnreg=168), other]
+    plain = dict(default, defer_pv=False, overlap=False)
+    narrow = dict(default, block_n=32, stages=4)
+    return [default, dict(default, maxnreg=168), other, plain, narrow]
 
 
 def _tiles_document(tiles: dict) -> dict:

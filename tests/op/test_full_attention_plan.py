@@ -56,3 +56,24 @@ def test_off_hopper_it_takes_nothing():
     p, args = _call()
     assert gf.full_unavailable(p.device) is not None
     assert gf.FullLaunch.plan(p, *args) is None
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_every_tile_the_tune_times_is_one_the_table_and_the_plan_take(on_hopper, head_dim, is_causal):
+    """A candidate the plan refused would cost the tune its time and warn on every table naming it."""
+    from benchmarks.kernels import tune_full_attention as tune
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
+
+    candidates = tune.tile_candidates(head_dim, is_causal)
+    assert len({tuple(sorted(t.items())) for t in candidates}) == len(candidates)  # no repeats
+    p, args = _call(head_dim=head_dim, is_causal=is_causal)
+    for tile in candidates:
+        doc = fat.table_document("gpu", (9, 0), "3.8.0", [], tiles=[
+            dict(head_dim=head_dim, dtype="bfloat16", causal=is_causal, tile=tile)])
+        assert fat.parse_table(doc).tiles == {(head_dim, "bfloat16", is_causal): tile}
+        launch = gf.FullLaunch.plan(p, *args, tile=gf.TileConfig(**tile))
+        c = launch.constexprs
+        assert (c["BLOCK_N"], c["STAGES"], c["DEFER_PV"], c["OVERLAP"]) == (
+            tile["block_n"], tile["stages"], tile["defer_pv"], tile["overlap"])
+        assert launch.block_m == tile["block_m"]  # (the cap is a CUDA launch option: not on the CPU)
