@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+from tests.support.cpu_limits import skip_if_refused  # noqa: E402
 from vllm_sinks.patches import transformers_sinks  # noqa: E402
 from vllm_sinks.patches.registry import detect_vllm  # noqa: E402
 from vllm_sinks.verify import differential, tiny_models  # noqa: E402
@@ -128,6 +129,7 @@ class Runs:
                run: str | None = None):
         results = getattr(self, run) if run else (self.off if off else self.on)
         result = results[(family, dtype, impl)]
+        skip_if_refused(result.get("error"), f"the tiny {family} ({dtype}, {impl})")
         assert "error" not in result, result["error"] + "\n" + result.get("log_tail", "")
         return result
 
