@@ -236,7 +236,7 @@ def compile_first(units: list, jobs: int, dry_run: bool, peers_dir, buckets, til
 # ---- timing -----------------------------------------------------------------------------------------------
 
 def block_s(fn, calls: int, sync) -> float:
-    """Wall-clock seconds of ``calls`` calls back to back between two synchronisations."""
+    """Seconds (on ``timer``) of ``calls`` calls back to back between two synchronisations."""
     sync()
     t0 = timer()
     for _ in range(calls):
