@@ -33,8 +33,6 @@ SINK_FAMILIES = ("gpt_oss", "granite_swa", "mimo_v2_flash")
 REMOTE = "remote_nested_sink"
 PROMPTS = [DEFAULT_PROMPTS[0], differential.PROMPT]
 CONTINUATION = 4
-#: name -> vLLM's refusal, for the models this vLLM would not load on this CPU (tests/support/cpu_limits.py)
-REFUSED: dict[str, str] = {}
 
 
 def save_no_sink_model(root: pathlib.Path) -> pathlib.Path:
@@ -62,7 +60,7 @@ def _native_archs() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def checked(tmp_path_factory):
+def ran(tmp_path_factory):
     """name -> ModelPlan after every run (the one batched run_plans call of this module)."""
     dirs = {f: tiny_models.tiny_model(f, "float32") for f in SINK_FAMILIES if tiny_models.family_available(f)}
     dirs[REMOTE] = tiny_models.tiny_model(REMOTE, "float32")
@@ -79,10 +77,21 @@ def checked(tmp_path_factory):
                  on_progress=print)
     for plan in plans.values():
         print("\n" + vm.report(plan, differential.environment_line()))
-    REFUSED.clear()
-    REFUSED.update({name: why for name, plan in plans.items()
-                    if (why := refusal(_run(plan, "patch on").error)) is not None})
-    return {name: plan for name, plan in plans.items() if name not in REFUSED}
+    return plans
+
+
+def _refused(plans) -> dict[str, str]:
+    """name -> vLLM's refusal, for the models this vLLM would not load on this CPU
+    (tests/support/cpu_limits.py)."""
+    return {name: why for name, plan in plans.items()
+            if (why := refusal(_run(plan, "patch on").error)) is not None}
+
+
+@pytest.fixture(scope="module")
+def checked(ran):
+    """The plans of the models this vLLM loads here: what the other tests check."""
+    refused = _refused(ran)
+    return {name: plan for name, plan in ran.items() if name not in refused}
 
 
 def _run(plan, name):
@@ -94,11 +103,12 @@ def _era() -> str:
 
 
 @pytest.mark.slow
-def test_every_model_loads_on_this_cpu(checked):
+def test_every_model_loads_on_this_cpu(ran, checked):
     """The other tests check the models this vLLM loads here; a refused one is named by this skip."""
-    if REFUSED:
-        pytest.skip(f"this vLLM refuses {sorted(REFUSED)} on this CPU, with or without the plugin: "
-                    f"{next(iter(REFUSED.values()))}")
+    refused = _refused(ran)
+    if refused:
+        pytest.skip(f"this vLLM refuses {sorted(refused)} on this CPU, with or without the plugin: "
+                    f"{next(iter(refused.values()))}")
     assert "gpt_oss" in checked and "no_sinks" in checked
 
 
