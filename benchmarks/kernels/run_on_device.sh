@@ -10,7 +10,8 @@
 #                                                       # package and $OUT/tables), then the stream
 #   bash benchmarks/kernels/run_on_device.sh stream     # a server's stream of new shapes, a process
 #                                                       # per path (benchmark_stream.py)
-#   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only
+#   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only (GPU_TESTS: which files,
+#                                                       # default tests/gpu)
 #   bash benchmarks/kernels/run_on_device.sh bench      # table only
 #   bash benchmarks/kernels/run_on_device.sh host       # GPU tests + MiMo pass + host cost (issue 19,
 #                                                       # item 1: the tables a host-side change moves)
@@ -77,7 +78,7 @@ if [ "$what" != bench ]; then
   t0=$(date +%s)
   # Four workers share the GPU: the time goes into compiling kernel variants, on the CPU.
   xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${XDIST_WORKERS:-4}")
-  python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" --maxfail=20 tests/gpu \
+  python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" --maxfail=20 ${GPU_TESTS:-tests/gpu} \
     2>&1 | tee "$out/gpu-tests.log" | tail -n 15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "gpu tests: $(( $(date +%s) - t0 )) s"

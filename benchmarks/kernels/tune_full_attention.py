@@ -46,6 +46,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import hashlib
+import io
 import json
 import math
 import multiprocessing
@@ -55,6 +56,7 @@ import shutil
 import sys
 import tempfile
 import time
+import tokenize
 from pathlib import Path
 
 import torch
@@ -64,6 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from vllm_sinks.v1.attention.ops import full_attention_table as fat  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_full_attention as gf  # noqa: E402
+from vllm_sinks.v1.attention.ops.prefill_attention_reference import relative_l2  # noqa: E402
 
 #: (head dim, dtype, causal) groups. Non-causal is what the op's full-attention callers pass (vLLM's
 #: ViT wrapper, encoder-only attention); causal is measured on the head dims decoders use.
@@ -86,6 +89,9 @@ TILE_BUCKETS = (12, 14)
 #: A candidate replaces the default tile only below this share of its time (geometric mean over
 #: the probe's variants): what two rounds resolve, so noise does not flip a group's tile.
 TILE_MARGIN = 0.97
+#: A candidate's output may differ from upstream's by this much (relative L2): both are at the
+#: bf16 floor, ~3e-3 apart (sweep_full_tiles.py), and a broken tile is off by ~1.
+TILE_AGREEMENT = 1e-2
 #: Our kernels' sources: the table's "kernels" field says which code it measured.
 KERNEL_FILES = ("prefill_attention_portable.py", "gluon_full_attention.py", "gluon_api.py",
                 "prefill_attention_problem.py", "kernel_launcher.py")
@@ -156,14 +162,22 @@ timer = time.perf_counter
 
 def dry_ours(q, k, v, o, starts, lens, max_len, causal):
     """--dry-run's stand-in for ours: fast on short sequences, slow on long ones, and faster on
-    long ones with a register cap in the table's tile for its group (so the choice shows)."""
+    long ones with a register cap in the table's tile for its group (so the choice shows). It
+    writes upstream's output (``dry_upstream``), or a wrong one under a tile of ``DRY_WRONG_TILES``
+    (the tile choice must then pass it over)."""
     tile = fat.tile_of(q.device, q.shape[-1], q.dtype, causal)
     capped = tile is not None and tile["maxnreg"] is not None
+    o.fill_(2.0 if tile is not None and tile in DRY_WRONG_TILES else 1.0)
     DRY_CLOCK.spend(50e-6 if max_len <= 256 else (300e-6 if capped else 400e-6))
 
 
 def dry_upstream(q, k, v, o, starts, lens, max_len, causal):
+    o.fill_(1.0)
     DRY_CLOCK.spend(200e-6)
+
+
+#: Tiles under which ``dry_ours`` writes a wrong output (a test sets it).
+DRY_WRONG_TILES: list = []
 
 
 def ops(dry_run: bool, peers_dir):
@@ -339,11 +353,14 @@ def use_tiles(tiles: dict, directory: Path) -> None:
     fat.use_table_dir(directory)
 
 
-def choose_tiles(groups, heads_list, buckets, ours, sync, device, fill, scratch: Path) -> list[dict]:
+def choose_tiles(groups, heads_list, buckets, ours, upstream, sync, device, fill,
+                 scratch: Path) -> list[dict]:
     """Per group: each candidate of ``tile_candidates`` timed on the classes of ``buckets``
     (every head shape, every variant; candidates in turn per variant, the order rotated every
-    round), the fastest by geometric mean kept where it beats the default by ``TILE_MARGIN``.
-    Returns the table's ``tiles`` rows (with every candidate's time)."""
+    round), the fastest by geometric mean kept where it beats the default by ``TILE_MARGIN``. A
+    candidate whose output differs from upstream's by more than ``TILE_AGREEMENT`` on any variant
+    is never kept (a table could otherwise ship a tile that is fast and wrong). Returns the
+    table's ``tiles`` rows (with every candidate's time and its largest difference)."""
     rows = []
     for n, group in enumerate(groups):
         head_dim, dtype, causal = group
@@ -351,30 +368,43 @@ def choose_tiles(groups, heads_list, buckets, ours, sync, device, fill, scratch:
             continue  # the portable kernel's group: no Hopper tile to choose
         candidates = tile_candidates(head_dim, causal)
         logs = [[] for _ in candidates]
+        worst = [0.0] * len(candidates)  # relative L2 against upstream's output
         for hq, hkv in heads_list:
             for bucket in buckets:
                 for var in variants(bucket):
                     args = inputs(head_dim, DTYPES[dtype], hq, hkv, var.lens, device, fill)
                     bound = max(var.lens)
+                    upstream(*args, bound, causal)
+                    want = args[3].clone()
                     best = [float("inf")] * len(candidates)
                     for r in range(ROUNDS):
                         for i in (range(len(candidates)) if r % 2 == 0 else
                                   reversed(range(len(candidates)))):
                             use_tiles({group: candidates[i]}, scratch / f"g{n}c{i}")
                             run = lambda: ours(*args, bound, causal)  # noqa: E731
-                            run()  # the first call of a tile compiles (workers filled the cache)
+                            if r == 0:  # the first call of a tile compiles (workers filled the cache)
+                                args[3].zero_()
+                                run()
+                                worst[i] = max(worst[i], relative_l2(args[3], want))
                             calls = max(MIN_CALLS, min(MAX_CALLS, int(BLOCK_S / max(block_s(run, 1, sync), 1e-7))))
                             best[i] = min(best[i], block_s(run, calls, sync) / calls)
                     for i, t in enumerate(best):
                         logs[i].append(math.log(t))
-                    del args
+                    del args, want
         means = [math.exp(sum(x) / len(x)) for x in logs]
-        pick = min(range(len(candidates)), key=means.__getitem__)
+        right = [i for i in range(len(candidates)) if worst[i] <= TILE_AGREEMENT]
+        for i in sorted(set(range(len(candidates))) - set(right)):
+            print(f"[tune] tile {_tile_name(candidates[i])} of {group}: output off upstream's by "
+                  f"{worst[i]:.2e} (> {TILE_AGREEMENT}): not chosen", flush=True)
+        if 0 not in right:  # the kernel's own default is wrong: no table may send calls to it
+            sys.exit(f"[tune] the default tile of {group} disagrees with upstream's op: a kernel bug")
+        pick = min(right, key=means.__getitem__)
         if means[pick] > TILE_MARGIN * means[0]:
             pick = 0
         rows.append(dict(head_dim=head_dim, dtype=dtype, causal=causal, tile=candidates[pick],
-                         candidates=[dict(tile=c, geomean_us=round(m * 1e6, 2))
-                                     for c, m in zip(candidates, means)]))
+                         candidates=[dict(tile=c, geomean_us=round(m * 1e6, 2),
+                                          off_upstream=float(f"{e:.2e}") if math.isfinite(e) else None)
+                                     for c, m, e in zip(candidates, means, worst)]))
     fat.use_table_dir()
     return rows
 
@@ -382,16 +412,24 @@ def choose_tiles(groups, heads_list, buckets, ours, sync, device, fill, scratch:
 # ---- the table --------------------------------------------------------------------------------------------
 
 def _code_of(source: str) -> str:
-    """The source without its comments and docstrings: a reworded comment is no new code to
-    time."""
+    """The source without its comments, docstrings and blank lines: a reworded comment is no new
+    code to time. Text, not ``ast.unparse``: that one's output moves between Python releases (3.12
+    quotes f-strings its own way), and the device's Python is not CI's."""
     tree = ast.parse(source)
+    dropped = set()  # the lines of docstrings
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                 and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return ast.unparse(tree)
+            dropped.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = source.splitlines()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            lines[row - 1] = lines[row - 1][:col]
+    return "\n".join(line.rstrip() for n, line in enumerate(lines, 1)
+                     if n not in dropped and line.strip())
 
 
 def kernels_fingerprint() -> str:
@@ -502,7 +540,8 @@ def main(argv=None) -> Path:
 
         warm_gpu()
     t_tiles = time.perf_counter()
-    tiles = choose_tiles(groups, heads_list, tile_buckets, ours, sync, device, fill, scratch)
+    tiles = choose_tiles(groups, heads_list, tile_buckets, ours, upstream, sync, device, fill,
+                         scratch)
     tiles_s = time.perf_counter() - t_tiles
     for row in tiles:
         times = ", ".join(f"{_tile_name(c['tile'])} {c['geomean_us']} µs" for c in row["candidates"])

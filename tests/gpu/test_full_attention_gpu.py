@@ -22,6 +22,7 @@ from test_prefill_op_gpu import _packed  # noqa: E402
 from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
 from vllm_sinks.v1.attention.ops.gluon_full_attention import (  # noqa: E402
     FullLaunch,
+    TileConfig,
     full_unavailable,
 )
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate  # noqa: E402
@@ -48,18 +49,18 @@ def _call_kwargs(sinks, sink_kind, is_causal):
     return kw
 
 
-def _launch(q, k, v, o, b_start, b_len, max_len, kw):
+def _launch(q, k, v, o, b_start, b_len, max_len, kw, tile=None):
     p = validate(q, k, v, o, b_start, b_len, max_len, softmax_scale=None, **kw)
-    launch = FullLaunch.plan(p, q, k, v, o, b_start, b_len, kw["sinks"])
+    launch = FullLaunch.plan(p, q, k, v, o, b_start, b_len, kw["sinks"], tile=tile)
     assert launch is not None, "the kernel must take this call"
     assert launch(q, k, v, o, b_start, b_len, kw["sinks"], max_len)
     return launch
 
 
-def _check(q, k, v, b_start, b_len, kw, max_len=None):
+def _check(q, k, v, b_start, b_len, kw, max_len=None, tile=None):
     tokens = q.shape[0]
     o = torch.full_like(q, float("nan"))
-    _launch(q, k, v, o, b_start, b_len, int(b_len.max()) if max_len is None else max_len, kw)
+    _launch(q, k, v, o, b_start, b_len, int(b_len.max()) if max_len is None else max_len, kw, tile)
     rows = covered_rows(b_start, b_len, tokens)
     assert torch.isfinite(o[rows]).all(), "sequence rows not fully written"
     assert torch.isnan(o[~rows]).all(), "wrote outside the sequence rows"
@@ -67,7 +68,7 @@ def _check(q, k, v, b_start, b_len, kw, max_len=None):
     ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **ref_kw)
     base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **ref_kw)
     err = relative_l2(o[rows], ref[rows])
-    assert err <= 2.0 * base, f"error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
+    assert err <= 2.0 * base, f"{tile}: error {err:.3e} > 2 x same-dtype torch error {base:.3e}"
     return o
 
 
@@ -177,3 +178,20 @@ def test_the_front_door_runs_it_for_full_attention():
     assert windowed.kernel != "full"
     on_device_bound = op.plan(q, k, v, o, b_start, b_len, torch.tensor(600, device="cuda"))
     assert on_device_bound.kernel == "triton"
+
+
+@pytest.mark.parametrize("candidate", range(5))
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_every_tile_a_table_may_name_matches_reference(head_dim, is_causal, candidate):
+    """A shipped table may name any of the tune's candidates for a group (``tiles``), and the front
+    door then runs every call of that group with it: each is checked here, whichever the tables
+    chose on this machine (with sinks under causality: the other sink path)."""
+    from benchmarks.kernels.tune_full_attention import tile_candidates
+
+    candidates = tile_candidates(head_dim, is_causal)
+    assert len(candidates) == 5, "parametrize over every candidate"
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 8, 2, head_dim, torch.bfloat16, gaps=3,
+                                             seed=head_dim + candidate)
+    kw = _call_kwargs(sinks, "null" if is_causal else "none", is_causal)
+    _check(q, k, v, b_start, b_len, kw, tile=TileConfig(**candidates[candidate]))

@@ -53,6 +53,33 @@ def test_a_dry_run_writes_a_table_the_lookup_reads(tmp_path, monkeypatch):
         fat.use_table_dir()
 
 
+def test_a_tile_that_is_fast_and_wrong_is_never_chosen(tmp_path, monkeypatch, capsys):
+    """The dry run's capped tile is the fastest; where it also writes a wrong output, the group
+    keeps the default tile, the candidate's difference from upstream is recorded, and the classes
+    are timed with the default (ours 2x slower beyond 256 tokens)."""
+    (d, dtype, causal), = tune.DRY_GROUPS
+    capped = dict(tune.tile_candidates(d, causal)[0], maxnreg=168)
+    monkeypatch.setattr(tune, "DRY_WRONG_TILES", [capped])
+    path = tune.main(["--dry-run", "--tables-dir", str(tmp_path), "--jobs", "1"])
+    assert "output off upstream's by" in capsys.readouterr().out
+    table = fat.load_table(path)
+    assert table.tiles == {(d, dtype, causal): tune.tile_candidates(d, causal)[0]}
+    row, = json.loads(path.read_text())["tiles"]
+    offs = {json.dumps(c["tile"], sort_keys=True): c["off_upstream"] for c in row["candidates"]}
+    assert offs.pop(json.dumps(capped, sort_keys=True)) > tune.TILE_AGREEMENT
+    assert set(offs.values()) == {0.0}
+    assert 1 / table.entries[next(c for c in table.entries if c.length_bucket == 12)][1] == \
+        pytest.approx(2.0, rel=1e-3)
+
+
+def test_the_default_tile_disagreeing_with_upstream_stops_the_tune(tmp_path, monkeypatch):
+    (d, dtype, causal), = tune.DRY_GROUPS
+    monkeypatch.setattr(tune, "DRY_WRONG_TILES", [tune.tile_candidates(d, causal)[0]])
+    with pytest.raises(SystemExit, match="disagrees with upstream's op"):
+        tune.main(["--dry-run", "--tables-dir", str(tmp_path), "--jobs", "1"])
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_the_shipped_tables_measured_the_kernels_in_this_tree():
     """A table's verdicts hold for the code it timed: a change to our kernels (or to what they are
     built from) is re-tuned on the GPU (``run_on_device.sh tune``) before it ships."""
@@ -67,3 +94,11 @@ def test_the_fingerprint_is_of_code_not_of_comments():
     code = 'def f(x):\n    """Doc."""\n    return x + 1  # why\n'
     assert tune._code_of(code) == tune._code_of('def f(x):\n    # reworded\n    return x + 1\n')
     assert tune._code_of(code) != tune._code_of('def f(x):\n    return x + 2\n')
+
+
+def test_the_fingerprint_is_the_same_under_every_python():
+    """The device (Python 3.12) writes the tables and CI (3.11) checks them: the code is kept as
+    written, where ``ast.unparse`` requotes f-strings under 3.12 (the tables of session 23 read
+    another fingerprint than CI's for the same files)."""
+    code = 'def f(a):\n    return f"{a!r:>10}" + \'x\'  # why\n'
+    assert tune._code_of(code) == 'def f(a):\n    return f"{a!r:>10}" + \'x\''
