@@ -119,6 +119,33 @@ def _mimo_call():
     return q, k, v, o, start, length, sinks, kwargs, p
 
 
+def test_integers_that_change_between_calls_are_not_specialised_on(monkeypatch):
+    """Triton compiles (and a fresh process loads) a kernel variant per specialisation of its
+    integer arguments (divisible by 16, equal to 1): the ones a server's new token counts move would
+    load a variant in ~1 of 16 calls (issue 30's stream)."""
+    if gw.gluon is None:
+        pytest.skip(f"no Gluon: {gluon_api.IMPORT_ERROR}")
+    monkeypatch.setattr(gw, "walk_unavailable", lambda device: None)
+    monkeypatch.setattr(gw, "_sm_count", lambda device: 132)
+    tails = []
+    for lengths in ((40,), (4096, 904)):
+        q = torch.randn(sum(lengths), 32, 64, dtype=torch.float16)
+        k = torch.randn(sum(lengths), 8, 64, dtype=torch.float16)
+        v, o = torch.randn_like(k), torch.empty_like(q)
+        length = torch.tensor(lengths, dtype=torch.int32)
+        start = torch.cumsum(length, 0, dtype=torch.int32) - length
+        sinks = torch.randn(32)
+        kwargs = dict(is_causal=False, sliding_window_q=64, sliding_window_k=64, sinks=sinks,
+                      sinks_bias_key0=True)
+        p = validate(q, k, v, o, start, length, max(lengths), softmax_scale=None, **kwargs)
+        walk = gw.WalkLaunch.plan(p, q, k, v, o, start, length, sinks)
+        tails.append(walk._new_bound(max(lengths), None).tail)
+    params = gw._window_walk_kernel.params[7:]  # after the seven tensors, in the tail's order
+    moved = {p.name for p, a, b in zip(params, *tails) if isinstance(a, int) and a != b}
+    assert moved >= {"total_tokens", "chunk", "num_chunks"}  # the calls above move all three
+    assert moved <= {p.name for p in params if p.do_not_specialize}
+
+
 def test_no_walk_off_the_gpu():
     """On the CPU (interpreter or not) the planner says why and the op keeps its Triton kernel."""
     reason = gw.walk_unavailable(torch.device("cpu"))

@@ -415,7 +415,12 @@ if gluon is not None:
         o_ptr = o_seq + (t * T).to(gl.int64) * stride_ot + (gl.expand_dims(o_off, 1) + io_cols)
         gl.store(o_ptr, out, mask=gl.expand_dims(t * T + row_tokens < seq_len, 1))
 
-    @gluon.jit
+    # The integers that change from call to call (a server's token counts, the chunking its
+    # longest image gives) are not specialised on: Triton would otherwise compile and load a
+    # variant each time one of them turns divisible by 16 or equal to 1, which a fresh process met
+    # in ~3 of 48 passes of new images at ~4-6 ms each (issue 30's stream, session 23). They are
+    # bounds and loop limits only, where a divisibility hint buys nothing.
+    @gluon.jit(do_not_specialize=["total_tokens", "chunk", "num_chunks"])
     def _window_walk_kernel(
             Q, K, V, O, Sinks, StartLoc, SeqLen,
             total_tokens, qk_scale, inv_scale, window_q, window_k, band_offset, chunk, num_chunks,
