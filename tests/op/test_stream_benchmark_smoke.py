@@ -55,3 +55,17 @@ def test_rounds_merge_pass_by_pass_and_keep_each_process_total():
     assert merged["rounds"] == 3 and merged["op_syncs"] == 0
     table = stream.markdown([dict(merged, path="upstream")], "header", ["full"])
     assert "upstream 8–34, 2–4" in table
+
+
+def test_pass_zero_is_reported_apart():
+    """A process's first launches land in pass 0 on every path: the report gives its excess and the
+    ratio without it."""
+    def path(name, first, again):
+        return dict(path=name, full=dict(first=first, again=again), op_syncs=0, op_sync_ms=0.0,
+                    classes_ours=0, classes_upstream=0)
+
+    results = [path("upstream", [500.0, 30.0, 30.0], [100.0, 30.0, 30.0]),
+               path("ours", [420.0, 15.0, 15.0], [20.0, 15.0, 15.0])]
+    table = stream.markdown(results, "header", ["full"])
+    assert "upstream 400.0 ms, 1.00×; ours 400.0 ms, 2.00×" in table
+    assert "| full | ours | 450.0 |" in table  # the totals keep pass 0
