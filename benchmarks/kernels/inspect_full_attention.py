@@ -6,6 +6,9 @@ shared memory, and its instructions by opcode, per case.
 
 What it answers between GPU runs: whether the kernel compiles under this Triton at all (CI runs
 it under every Triton of the matrix's compile rows), and whether it spills. Timing needs the device.
+Without ``--tile``, each case compiles the default tile and every other tile a shipped table of this
+Triton release names for the case's head dim and causality (``tiles``): the front door runs those
+on every call of their group, so CI compiles them too.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ CASES = {"d64": (64, 1, False, SINKS_NONE),
          "d72": (72, 1, False, SINKS_NONE),
          "d96": (96, 1, False, SINKS_NONE),
          "d32": (32, 1, False, SINKS_NONE),
+         "d112": (112, 1, False, SINKS_NONE),
+         "d80-causal": (80, 1, True, SINKS_NONE),
          "d128-causal-gqa": (128, 4, True, SINKS_NONE),
          "d64-causal-null-sink": (64, 8, True, SINKS_NULL_LOGIT),
          "d80-key0-sink": (80, 4, False, SINKS_KEY0_BIAS)}
@@ -55,6 +60,26 @@ def compile_case(case: str, tile=None):
                                        **({"maxnreg": tile.maxnreg} if tile.maxnreg else {})))
 
 
+def shipped_tiles(case: str) -> list:
+    """The tiles other than the default that the shipped tables for this Triton release name for
+    the case's (head dim, causal) group, any GPU and dtype."""
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
+
+    d, _, causal, _ = CASES[case]
+    release = fat.triton_release(triton.__version__)
+    tiles = []
+    for path in sorted(fat.SHIPPED_DIR.glob("*.json")):
+        table = fat.load_table(path)
+        if table.triton != release:
+            continue
+        for (head_dim, _dtype, group_causal), tile in sorted(table.tiles.items()):
+            t = gf.TileConfig(**tile)
+            if head_dim == d and group_causal == causal and t != gf.default_tile(causal) \
+                    and t not in tiles:
+                tiles.append(t)
+    return tiles
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", choices=sorted(CASES), action="append")
@@ -62,16 +87,23 @@ def main(argv=None):
     ap.add_argument("--tile", help="another tile: BLOCK_M,BLOCK_N,STAGES,DEFER_PV,MAXNREG(0: none)[,OVERLAP] (e.g. 128,64,4,0,0,1)")
     args = ap.parse_args(argv)
     for case in args.case or CASES:
-        tile = None
+        tiles = [None, *shipped_tiles(case)]
         if args.tile:
             m, n, st, defer, reg, *overlap = (int(x) for x in args.tile.split(","))
-            tile = gf.TileConfig(m, n, st, bool(defer), reg or None, bool(overlap and overlap[0]))
-        compiled = compile_case(case, tile)
-        sass, res, ops = read_compiled(compiled, args.sass)
-        print(f"{case}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
-              f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions "
-              f"(Triton {triton.__version__})")
-        print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+            tiles = [gf.TileConfig(m, n, st, bool(defer), reg or None, bool(overlap and overlap[0]))]
+        for tile in tiles:
+            compiled = compile_case(case, tile)
+            sass, res, ops = read_compiled(compiled, args.sass)
+            label = case if tile is None else f"{case} ({_name(tile)}, a shipped table's tile)"
+            print(f"{label}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
+                  f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions "
+                  f"(Triton {triton.__version__})")
+            print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+
+
+def _name(t) -> str:
+    return (f"{t.block_m}x{t.block_n} s{t.stages}{' defer' if t.defer_pv else ''}"
+            f"{' overlap' if t.overlap else ''}{f' r{t.maxnreg}' if t.maxnreg else ''}")
 
 
 if __name__ == "__main__":

@@ -77,3 +77,21 @@ def test_every_tile_the_tune_times_is_one_the_table_and_the_plan_take(on_hopper,
         assert (c["BLOCK_N"], c["STAGES"], c["DEFER_PV"], c["OVERLAP"]) == (
             tile["block_n"], tile["stages"], tile["defer_pv"], tile["overlap"])
         assert launch.block_m == tile["block_m"]  # (the cap is a CUDA launch option: not on the CPU)
+
+
+def test_the_compile_check_compiles_every_tile_a_shipped_table_names(monkeypatch):
+    """CI compiles the kernel for sm_90a under each Triton of its matrix
+    (``inspect_full_attention.py``, no GPU): with every tile the shipped tables of that release name,
+    since the front door runs those tiles on every call of their group."""
+    from benchmarks.kernels import inspect_full_attention as inspect
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
+
+    tables = [fat.load_table(p) for p in sorted(fat.SHIPPED_DIR.glob("*.json"))]
+    assert tables
+    for table in tables:
+        monkeypatch.setattr(inspect.triton, "__version__", table.triton + ".0")
+        compiled = {(inspect.CASES[c][0], inspect.CASES[c][2], t)
+                    for c in inspect.CASES for t in [gf.default_tile(inspect.CASES[c][2]),
+                                                     *inspect.shipped_tiles(c)]}
+        for (head_dim, _dtype, causal), tile in table.tiles.items():
+            assert (head_dim, causal, gf.TileConfig(**tile)) in compiled, (table.triton, head_dim, causal)
