@@ -415,21 +415,23 @@ def _code_of(source: str) -> str:
     """The source without its comments, docstrings and blank lines: a reworded comment is no new
     code to time. Text, not ``ast.unparse``: that one's output moves between Python releases (3.12
     quotes f-strings its own way), and the device's Python is not CI's."""
-    tree = ast.parse(source)
-    dropped = set()  # the lines of docstrings
-    for node in ast.walk(tree):
+    lines = [line.encode() for line in source.splitlines()]  # ast's columns count UTF-8 bytes
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:  # (tokenize's columns count characters)
+            row, col = tok.start
+            lines[row - 1] = lines[row - 1].decode()[:col].encode()
+    for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                 and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
-            dropped.update(range(body[0].lineno, body[0].end_lineno + 1))
-    lines = source.splitlines()
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            row, col = tok.start
-            lines[row - 1] = lines[row - 1][:col]
-    return "\n".join(line.rstrip() for n, line in enumerate(lines, 1)
-                     if n not in dropped and line.strip())
+            doc = body[0]  # cut out its span alone: code may share its first or last line
+            first, last = doc.lineno - 1, doc.end_lineno - 1
+            tail = lines[last][doc.end_col_offset:]
+            for row in range(first + 1, last + 1):
+                lines[row] = b""
+            lines[first] = lines[first][:doc.col_offset] + tail
+    return "\n".join(text for text in (line.decode().rstrip() for line in lines) if text.strip())
 
 
 def kernels_fingerprint() -> str:

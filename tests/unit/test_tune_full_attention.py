@@ -102,3 +102,11 @@ def test_the_fingerprint_is_the_same_under_every_python():
     another fingerprint than CI's for the same files)."""
     code = 'def f(a):\n    return f"{a!r:>10}" + \'x\'  # why\n'
     assert tune._code_of(code) == 'def f(a):\n    return f"{a!r:>10}" + \'x\''
+
+
+def test_code_beside_a_docstring_is_code():
+    """A docstring is cut out by its span, not its lines (columns in UTF-8 bytes: a × before the
+    code on its line)."""
+    assert tune._code_of('def f():\n    \"\"\"a × b.\"\"\"; return 1\n') == 'def f():\n    ; return 1'
+    assert tune._code_of('def f():\n    \"\"\"a ×\n    b.\"\"\"; return 2  # ×\n') == \
+        'def f():\n    ; return 2'
