@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from benchmarks.kernels.inspect_prefill_sass import signature  # noqa: E402
 from benchmarks.kernels.inspect_window_walk import read_compiled  # noqa: E402
+from benchmarks.kernels.tune_full_attention import _tile_name  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_full_attention as gf  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (  # noqa: E402
     SINKS_KEY0_BIAS, SINKS_NONE, SINKS_NULL_LOGIT)
@@ -94,16 +95,11 @@ def main(argv=None):
         for tile in tiles:
             compiled = compile_case(case, tile)
             sass, res, ops = read_compiled(compiled, args.sass)
-            label = case if tile is None else f"{case} ({_name(tile)}, a shipped table's tile)"
+            label = case if tile is None else f"{case} ({_tile_name(tile._asdict())}, a shipped table's tile)"
             print(f"{label}: {res.get('reg')} registers, {res.get('stack', 0)} B stack (spills), "
                   f"{compiled.metadata.shared} B shared memory, {sum(ops.values())} instructions "
                   f"(Triton {triton.__version__})")
             print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
-
-
-def _name(t) -> str:
-    return (f"{t.block_m}x{t.block_n} s{t.stages}{' defer' if t.defer_pv else ''}"
-            f"{' overlap' if t.overlap else ''}{f' r{t.maxnreg}' if t.maxnreg else ''}")
 
 
 if __name__ == "__main__":
