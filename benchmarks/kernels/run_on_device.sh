@@ -63,7 +63,7 @@ if [ "$what" = profile ]; then
 fi
 
 if [ "$what" = tune ] || [ "$what" = stream ]; then
-  # no GPU tests: the table's measurement (~150 s) and the stream (< 4 min) fit one call
+  # no GPU tests: the table's measurement (105–121 s, session 23) and the stream (~150 s) fit one call
   if [ "$what" = tune ]; then
     python3 benchmarks/kernels/tune_full_attention.py --out "$out" 2>&1 | tee "$out/tune-full.log" \
       | grep -v -i warn | tail -n 60
