@@ -14,6 +14,7 @@ on every call of their group, so CI compiles them too.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -61,23 +62,31 @@ def compile_case(case: str, tile=None):
                                        **({"maxnreg": tile.maxnreg} if tile.maxnreg else {})))
 
 
+@functools.cache
+def _release_tiles(release: str) -> tuple:
+    """(head dim, causal, tile) of every group of the shipped tables for ``release``, read once."""
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
+
+    rows = []
+    for path in sorted(fat.SHIPPED_DIR.glob("*.json")):
+        table = fat.load_table(path)
+        if table.triton == release:
+            rows += [(d, causal, gf.TileConfig(**tile))
+                     for (d, _dtype, causal), tile in sorted(table.tiles.items())]
+    return tuple(rows)
+
+
 def shipped_tiles(case: str) -> list:
     """The tiles other than the default that the shipped tables for this Triton release name for
     the case's (head dim, causal) group, any GPU and dtype."""
     from vllm_sinks.v1.attention.ops import full_attention_table as fat
 
     d, _, causal, _ = CASES[case]
-    release = fat.triton_release(triton.__version__)
     tiles = []
-    for path in sorted(fat.SHIPPED_DIR.glob("*.json")):
-        table = fat.load_table(path)
-        if table.triton != release:
-            continue
-        for (head_dim, _dtype, group_causal), tile in sorted(table.tiles.items()):
-            t = gf.TileConfig(**tile)
-            if head_dim == d and group_causal == causal and t != gf.default_tile(causal) \
-                    and t not in tiles:
-                tiles.append(t)
+    for head_dim, group_causal, t in _release_tiles(fat.triton_release(triton.__version__)):
+        if head_dim == d and group_causal == causal and t != gf.default_tile(causal) \
+                and t not in tiles:
+            tiles.append(t)
     return tiles
 
 

@@ -80,17 +80,17 @@ def ran(tmp_path_factory):
     return plans
 
 
-def _refused(plans) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def refused(ran) -> dict[str, str]:
     """name -> vLLM's refusal, for the models this vLLM would not load on this CPU
     (tests/support/cpu_limits.py)."""
-    return {name: why for name, plan in plans.items()
+    return {name: why for name, plan in ran.items()
             if (why := refusal(_run(plan, "patch on").error)) is not None}
 
 
 @pytest.fixture(scope="module")
-def checked(ran):
+def checked(ran, refused):
     """The plans of the models this vLLM loads here: what the other tests check."""
-    refused = _refused(ran)
     return {name: plan for name, plan in ran.items() if name not in refused}
 
 
@@ -103,9 +103,8 @@ def _era() -> str:
 
 
 @pytest.mark.slow
-def test_every_model_loads_on_this_cpu(ran, checked):
+def test_every_model_loads_on_this_cpu(refused, checked):
     """The other tests check the models this vLLM loads here; a refused one is named by this skip."""
-    refused = _refused(ran)
     if refused:
         pytest.skip(f"this vLLM refuses {sorted(refused)} on this CPU, with or without the plugin: "
                     f"{next(iter(refused.values()))}")
