@@ -310,14 +310,15 @@ def tile_candidates(head_dim: int, causal: bool) -> list[dict]:
     so each release's table measures them: the default with a cap of 168 registers (three
     64-row programs of 128 threads fit the 65536 registers of an SM, two at more than 170); the
     default's other schedule (P · V deferred, or softmax overlapped); the default with neither;
-    and 32-key blocks in four slots, which no release spills (session 22's compile check on CPU,
-    kernel log: at head dim 128 the default spills 112 B under 3.8.0's ptxas 12.9, the plain
-    schedule and 32-key blocks none; the cap spills 72-480 B past head dim 64 everywhere)."""
+    and keys and values by TMA (123-155 registers and no spill under every release, session 24)
+    in the default's schedule, the other one, and two slots with neither. (32-key blocks, timed
+    in session 23, lost by 9-38 % in every group and release.) Where TMA cannot read a call
+    (``gluon_full_attention.tma_unavailable``), a TMA tile runs its schedule by cp.async."""
     default = gf.default_tile(causal)._asdict()
     other = dict(default, defer_pv=default["overlap"], overlap=default["defer_pv"])
     plain = dict(default, defer_pv=False, overlap=False)
-    narrow = dict(default, block_n=32, stages=4)
-    return [default, dict(default, maxnreg=168), other, plain, narrow]
+    return [default, dict(default, maxnreg=168), other, plain, dict(default, tma=True),
+            dict(other, tma=True), dict(plain, stages=2, tma=True)]
 
 
 def _tiles_document(tiles: dict) -> dict:
@@ -585,7 +586,7 @@ def main(argv=None) -> Path:
 def _tile_name(t: dict) -> str:
     cap = f" r{t['maxnreg']}" if t["maxnreg"] else ""
     return (f"{t['block_m']}x{t['block_n']} s{t['stages']}{' defer' if t['defer_pv'] else ''}"
-            f"{' overlap' if t['overlap'] else ''}{cap}")
+            f"{' overlap' if t['overlap'] else ''}{cap}{' tma' if t.get('tma') else ''}")
 
 
 def _ptxas(dry_run: bool) -> str:

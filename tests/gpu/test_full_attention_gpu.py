@@ -180,7 +180,7 @@ def test_the_front_door_runs_it_for_full_attention():
     assert on_device_bound.kernel == "triton"
 
 
-@pytest.mark.parametrize("candidate", range(5))
+@pytest.mark.parametrize("candidate", range(7))
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_every_tile_a_table_may_name_matches_reference(head_dim, is_causal, candidate):
@@ -190,8 +190,66 @@ def test_every_tile_a_table_may_name_matches_reference(head_dim, is_causal, cand
     from benchmarks.kernels.tune_full_attention import tile_candidates
 
     candidates = tile_candidates(head_dim, is_causal)
-    assert len(candidates) == 5, "parametrize over every candidate"
+    assert len(candidates) == 7, "parametrize over every candidate"
     q, k, v, sinks, b_start, b_len = _packed(LENS, 8, 2, head_dim, torch.bfloat16, gaps=3,
                                              seed=head_dim + candidate)
     kw = _call_kwargs(sinks, "null" if is_causal else "none", is_causal)
     _check(q, k, v, b_start, b_len, kw, tile=TileConfig(**candidates[candidate]))
+
+
+TMA_TILE = TileConfig(64, 64, 2, tma=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tma_reads_past_a_sequence_and_past_the_tensor_without_harm(head_dim, is_causal):
+    """TMA reads whole key blocks: the rows past a sequence's end (the gap, the next sequence)
+    and past the tensor's end (zeros). Those rows hold NaN here; they must change nothing."""
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 8, 2, head_dim, torch.bfloat16, gaps=3,
+                                             seed=head_dim + 7)
+    rows = covered_rows(b_start, b_len, q.shape[0])
+    kw = _call_kwargs(sinks, "null", is_causal)
+    ref = reference_prefill_attention(q, k, v, b_start, b_len, dtype=torch.float32, **kw)
+    base = same_dtype_torch_error(q, k, v, b_start, b_len, ref=ref, rows=rows, **kw)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[~rows] = float("nan")
+    v_nan[~rows] = float("nan")
+    o = torch.full_like(q, float("nan"))
+    launch = _launch(q, k_nan, v_nan, o, b_start, b_len, int(b_len.max()), kw, TMA_TILE)
+    assert launch.constexprs["TMA_KV"]
+    assert torch.isfinite(o[rows]).all()
+    assert relative_l2(o[rows], ref[rows]) <= 2.0 * base
+
+
+def test_tma_tiles_take_cp_async_where_tma_cannot_read_the_call():
+    """Heads not back to back (a view into a wider buffer), and a head dim its parts do not cover
+    exactly (72 = 64 + 16 would read the next head's columns): cp.async, same results."""
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 8, 2, 72, torch.bfloat16, gaps=3, seed=72)
+    kw = _call_kwargs(sinks, "none", False)
+    p = validate(q, k, v, q, b_start, b_len, int(b_len.max()), softmax_scale=None, **kw)
+    assert not FullLaunch.plan(p, q, k, v, q, b_start, b_len, None, tile=TMA_TILE).constexprs["TMA_KV"]
+    _check(q, k, v, b_start, b_len, kw, tile=TMA_TILE)
+    wide = torch.randn(q.shape[0], 2, 96, device=q.device, dtype=torch.bfloat16)
+    k64 = wide[:, :, :64]  # rows of 192 elements: 16-byte aligned, heads 96 apart
+    q, _, v, sinks, b_start, b_len = _packed(LENS, 8, 2, 64, torch.bfloat16, gaps=3, seed=64)
+    p = validate(q, k64, v, q, b_start, b_len, int(b_len.max()), softmax_scale=None, **kw)
+    assert not FullLaunch.plan(p, q, k64, v, q, b_start, b_len, None,
+                               tile=TMA_TILE).constexprs["TMA_KV"]
+    _check(q, k64, v, b_start, b_len, kw, tile=TMA_TILE)
+
+
+def test_tma_descriptors_follow_each_calls_tensors():
+    """The plan keeps the descriptors' fields, each call its own addresses: a second call with
+    other tensors of the same shapes (one plan) reads those, not the first call's."""
+    q, k, v, sinks, b_start, b_len = _packed(LENS, 8, 2, 80, torch.bfloat16, gaps=3, seed=1)
+    kw = _call_kwargs(sinks, "none", False)
+    max_len = int(b_len.max())
+    launch = _launch(q, k, v, torch.empty_like(q), b_start, b_len, max_len, kw, TMA_TILE)
+    assert launch.constexprs["TMA_KV"] and launch.ready(max_len) is None
+    k2, v2 = torch.randn_like(k), torch.randn_like(v)
+    o = torch.full_like(q, float("nan"))
+    assert launch(q, k2, v2, o, b_start, b_len, None, max_len)
+    rows = covered_rows(b_start, b_len, q.shape[0])
+    ref = reference_prefill_attention(q, k2, v2, b_start, b_len, dtype=torch.float32, **kw)
+    base = same_dtype_torch_error(q, k2, v2, b_start, b_len, ref=ref, rows=rows, **kw)
+    assert relative_l2(o[rows], ref[rows]) <= 2.0 * base

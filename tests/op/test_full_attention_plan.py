@@ -74,8 +74,9 @@ def test_every_tile_the_tune_times_is_one_the_table_and_the_plan_take(on_hopper,
         assert fat.parse_table(doc).tiles == {(head_dim, "bfloat16", is_causal): tile}
         launch = gf.FullLaunch.plan(p, *args, tile=gf.TileConfig(**tile))
         c = launch.constexprs
-        assert (c["BLOCK_N"], c["STAGES"], c["DEFER_PV"], c["OVERLAP"]) == (
-            tile["block_n"], tile["stages"], tile["defer_pv"], tile["overlap"])
+        assert (c["BLOCK_N"], c["STAGES"], c["DEFER_PV"], c["OVERLAP"], c["TMA_KV"]) == (
+            tile["block_n"], tile["stages"], tile["defer_pv"], tile["overlap"], tile["tma"])
+        assert len(launch.descriptors) == (4 if tile["tma"] else 0)  # all three take TMA
         assert launch.block_m == tile["block_m"]  # (the cap is a CUDA launch option: not on the CPU)
 
 
@@ -95,3 +96,23 @@ def test_the_compile_check_compiles_every_tile_a_shipped_table_names(monkeypatch
                                                      *inspect.shipped_tiles(c)]}
         for (head_dim, _dtype, causal), tile in table.tiles.items():
             assert (head_dim, causal, gf.TileConfig(**tile)) in compiled, (table.triton, head_dim, causal)
+
+
+@pytest.mark.skipif(gf.HostTensorDescriptor is None, reason="no Gluon in this Triton")
+def test_a_tma_tile_reads_by_cp_async_where_tma_cannot(on_hopper):
+    """Head dims the parts do not cover exactly, and heads not back to back, keep the tile's
+    schedule by cp.async: no descriptors, no TMA in the compiled variant."""
+    tma = gf.TileConfig(64, 64, 2, tma=True)
+    p, args = _call(head_dim=72)
+    assert "72 is not 64 + 16" in gf.tma_unavailable(p, args[1], args[2])
+    launch = gf.FullLaunch.plan(p, *args, tile=tma)
+    assert launch.descriptors == () and launch.constexprs["TMA_KV"] is False
+    p, args = _call(head_dim=64)
+    q, k, v, *rest = args
+    wide = torch.zeros(k.shape[0], k.shape[1], 96, dtype=k.dtype)[:, :, :64]
+    assert "not stored back to back" in gf.tma_unavailable(p, wide, v)
+    assert gf.FullLaunch.plan(p, q, wide, v, *rest, tile=tma).descriptors == ()
+    launch = gf.FullLaunch.plan(p, *args, tile=tma)
+    assert launch.constexprs["TMA_KV"] is True and "Kd0" not in launch.constexprs
+    fields = launch.descriptors[0]
+    assert fields["shape"] == [k.shape[0], k.shape[1] * 64] and fields["block_shape"] == [64, 64]

@@ -206,7 +206,8 @@ def test_a_malformed_table_warns_once_and_falls_back(on_h200, content):
 
 # ---- the tile a table chose per group ---------------------------------------------------------------
 
-CAPPED = dict(block_m=64, block_n=64, stages=3, defer_pv=True, overlap=False, maxnreg=168)
+CAPPED = dict(block_m=64, block_n=64, stages=3, defer_pv=True, overlap=False, maxnreg=168,
+              tma=False)
 
 
 def tiled_document(*tiles):
@@ -219,11 +220,20 @@ def test_a_table_without_tiles_has_none_and_its_tiles_are_read_by_group():
     assert fat.parse_table(tiled_document(CAPPED)).tiles == {(80, "bfloat16", False): CAPPED}
 
 
+def test_a_tile_written_before_tma_reads_as_cp_async():
+    """Tables of sessions 21-23 name tiles without ``tma``: they ran cp.async."""
+    older = {key: value for key, value in CAPPED.items() if key != "tma"}
+    assert fat.parse_table(tiled_document(older)).tiles == {(80, "bfloat16", False): CAPPED}
+    tma = dict(CAPPED, maxnreg=None, tma=True)
+    assert fat.parse_table(tiled_document(tma)).tiles == {(80, "bfloat16", False): tma}
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d.update(tiles={}), "tiles must be a list"),
     (lambda d: d["tiles"][0].pop("tile"), "tile 0 is not an object with a 'tile' object"),
     (lambda d: d["tiles"][0].update(causal=1), "tile 0: causal must be true or false"),
-    (lambda d: d["tiles"][0]["tile"].pop("maxnreg"), "tile must have exactly the fields"),
+    (lambda d: d["tiles"][0]["tile"].pop("maxnreg"), "tile must have the fields"),
+    (lambda d: d["tiles"][0]["tile"].update(tma=1), "tile tma must be one of"),
     (lambda d: d["tiles"][0]["tile"].update(stages=9), "tile stages must be one of"),
     (lambda d: d["tiles"][0]["tile"].update(defer_pv=1), "tile defer_pv must be one of"),
     (lambda d: d["tiles"][0]["tile"].update(maxnreg=170), "tile maxnreg must be one of"),

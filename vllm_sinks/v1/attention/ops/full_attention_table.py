@@ -205,7 +205,9 @@ def _entry(e, source: str, where: str, margin: float) -> tuple[ShapeClass, tuple
 #: kernel's ``FullLaunch.plan`` checks the combination).
 TILE_FIELDS = {"block_m": (64, 128), "block_n": (32, 64, 128), "stages": (2, 3, 4, 5),
                "defer_pv": (False, True), "overlap": (False, True),
-               "maxnreg": (None, *range(24, 257, 8))}
+               "maxnreg": (None, *range(24, 257, 8)), "tma": (False, True)}
+#: Fields a table written before them may leave out, with the value they then take.
+TILE_DEFAULTS = {"tma": False}
 
 
 def _tile(e, source: str, where: str) -> tuple[tuple, dict]:
@@ -215,16 +217,17 @@ def _tile(e, source: str, where: str) -> tuple[tuple, dict]:
                              ("dtype", lambda x: x in DTYPE_NAMES.values(), "a dtype name"),
                              ("causal", lambda x: isinstance(x, bool), "true or false")):
         _need(key in e and check(e[key]), source, f"{where}: {key} must be {what}, got {e.get(key)!r}")
-    tile = e["tile"]
+    tile = dict(TILE_DEFAULTS, **e["tile"])
     _need(set(tile) == set(TILE_FIELDS), source,
-          f"{where}: tile must have exactly the fields {sorted(TILE_FIELDS)}, got {sorted(tile)}")
+          f"{where}: tile must have the fields {sorted(TILE_FIELDS)} ({sorted(TILE_DEFAULTS)} may "
+          f"be left out), got {sorted(e['tile'])}")
     for key, allowed in TILE_FIELDS.items():
         value = tile[key]
         # 1 == True in Python: a bool is only a bool, an int only an int
         ok = any(value == a and type(value) is type(a) for a in allowed)
         _need(ok, source, f"{where}: tile {key} must be one of {allowed[:6]}…, got {value!r}"
               if len(allowed) > 6 else f"{where}: tile {key} must be one of {allowed}, got {value!r}")
-    return (e["head_dim"], e["dtype"], e["causal"]), dict(tile)
+    return (e["head_dim"], e["dtype"], e["causal"]), tile
 
 
 def parse_table(data, source: str = "table") -> Table:

@@ -12,7 +12,12 @@ is one line below. Each alias takes the newer name where the release has it:
   up to 3.7, ``async_load`` from 3.8 (3.9 raises on the old name: "async_copy_global_to_shared has
   been removed; call async_load instead"). Same arguments: (shared view, pointers, mask);
 - ``reinterpret(view, dtype, shape, layout)``: a shared-memory view seen as another shape —
-  the method ``_reinterpret`` up to 3.8, ``reinterpret`` from 3.9 (which drops ``_reinterpret``).
+  the method ``_reinterpret`` up to 3.8, ``reinterpret`` from 3.9 (which drops ``_reinterpret``);
+- ``tma_load(descriptor, coordinates, mbarrier, shared view)``: a TMA copy of one box into shared
+  memory, completing on the mbarrier — ``tma.async_copy_global_to_shared`` in 3.7,
+  ``tma.async_load`` from 3.8 (3.9 keeps the old name only to raise). ``mbarrier`` (allocate,
+  init, expect, wait) and the host's ``TensorDescriptor`` (``HostTensorDescriptor``) have kept
+  their names from 3.7 to 3.9.
 
 Importing this module never fails: ``IMPORT_ERROR`` says why Gluon is unavailable (None when it is),
 and the kernel module then has no fast path.
@@ -33,14 +38,17 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma,
                                                                   warpgroup_mma_init,
                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as HostTensorDescriptor
     from triton.language.core import builtin
 
     cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     commit_group = async_copy.commit_group
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # Methods cannot be aliased by name: a builtin that calls the release's method.
     _REINTERPRET = "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else \
         "_reinterpret"
@@ -53,7 +61,7 @@ try:
     IMPORT_ERROR: str | None = None
 except Exception as e:  # noqa: BLE001 - any failure means "no Gluon here"
     gluon = gl = async_copy = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
-    warpgroup_mma_init = None
+    warpgroup_mma_init = mbarrier = tma = tma_load = HostTensorDescriptor = None
     cta_barrier = async_load = commit_group = wait_group = reinterpret = None
     IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
@@ -81,6 +89,7 @@ def hopper_unavailable(device: torch.device) -> str | None:
     return _CAPABILITY_REASON[index]
 
 
-__all__ = ["CAPABILITY", "IMPORT_ERROR", "TESTED_TRITON", "async_load", "commit_group",
-           "cta_barrier", "fence_async_shared", "gl", "gluon", "hopper_unavailable", "reinterpret",
-           "wait_group", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait"]
+__all__ = ["CAPABILITY", "HostTensorDescriptor", "IMPORT_ERROR", "TESTED_TRITON", "async_load",
+           "commit_group", "cta_barrier", "fence_async_shared", "gl", "gluon", "hopper_unavailable",
+           "mbarrier", "reinterpret", "tma_load", "wait_group", "warpgroup_mma",
+           "warpgroup_mma_init", "warpgroup_mma_wait"]

@@ -13,10 +13,16 @@ flash-attention loop, written for Hopper:
 - a program takes ``BLOCK_M`` queries of one head of one sequence (64: one warpgroup, so that the
   programs sharing an SM run out of step, see ``default_tile``); its queries stay in shared
   memory, the A operand of every Q · Kᵀ wgmma;
-- keys and values stream through a ring of ``STAGES`` shared-memory slots by cp.async, issued
-  ``STAGES - 1`` blocks ahead of their use (``STAGES - 2`` where the previous block's P · V may
-  still read its slot: ``defer_pv``, ``overlap``), so a block's load overlaps the work on the
-  blocks before it (upstream's kernel loads each block when it needs it);
+- keys and values stream through a ring of ``STAGES`` shared-memory slots, issued ``STAGES - 1``
+  blocks ahead of their use (``STAGES - 2`` where the previous block's P · V may still read its
+  slot: ``defer_pv``, ``overlap``), so a block's load overlaps the work on the blocks before it
+  (upstream's kernel loads each block when it needs it). They come by cp.async (every thread
+  copies 16-byte pieces, masked) or, with ``TileConfig.tma``, by TMA: one thread copies a block's
+  box from a host-side descriptor and an mbarrier says when it landed. TMA takes the copies'
+  addresses, masks and pointer registers out of every thread (the kernel drops from 164-255 to
+  123-155 registers; session 24's measurements are in docs/benchmarks.md); it reads whole rows of
+  the packed [tokens, heads × head dim] tensors, so it needs heads stored back to back and a head
+  dim the parts cover exactly (``tma_unavailable``);
 - S = Q · Kᵀ and O += P · V on the tensor cores (asynchronous wgmma, P from registers), the
   online softmax in fp32 registers in base 2;
 - only blocks a mask can cut are masked: the last block of the sequence, and under causality
@@ -42,10 +48,10 @@ from typing import NamedTuple
 import torch
 import triton
 
-from vllm_sinks.v1.attention.ops.gluon_api import (async_load, commit_group, cta_barrier,
-                                                   fence_async_shared, gl, gluon,
-                                                   hopper_unavailable, wait_group,
-                                                   warpgroup_mma, warpgroup_mma_init,
+from vllm_sinks.v1.attention.ops.gluon_api import (HostTensorDescriptor, async_load, commit_group,
+                                                   cta_barrier, fence_async_shared, gl, gluon,
+                                                   hopper_unavailable, mbarrier, tma_load,
+                                                   wait_group, warpgroup_mma, warpgroup_mma_init,
                                                    warpgroup_mma_wait)
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
@@ -78,6 +84,8 @@ class TileConfig(NamedTuple):
     #: the tensor cores still run that P · V (the output is rescaled after it): the two costs
     #: overlap instead of adding up. Like ``defer_pv`` it costs a ring slot.
     overlap: bool = False
+    #: keys and values by TMA (see the module docstring); calls TMA cannot read take cp.async
+    tma: bool = False
 
 
 def head_dim_parts(d: int) -> tuple[int, int]:
@@ -190,23 +198,71 @@ if gluon is not None:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _next_block(j, n_blocks, k0, v0, k1, v1, k_base, v_base, stride_kt, stride_vt, kv_len,
+    def _issue_block_tma(kd0, vd0, kd1, vd1, k0, v0, k1, v1, bar, row, kcol, vcol,
+                         D0: gl.constexpr, D1: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One key block's keys and values by TMA into one ring slot (rows ``row`` … of the
+        [tokens, heads × head dim] views, from columns ``kcol`` and ``vcol``); ``bar`` completes
+        once every byte landed. Rows past the tensor's end arrive as zeros."""
+        mbarrier.expect(bar, BLOCK_N * (D0 + D1) * 4)  # K and V, two bytes an element
+        tma_load(kd0, [row, kcol], bar, k0)
+        tma_load(vd0, [row, vcol], bar, v0)
+        if D1 > 0:
+            tma_load(kd1, [row, kcol + D0], bar, k1)
+            tma_load(vd1, [row, vcol + D0], bar, v1)
+
+    @gluon.jit
+    def _zero_rows(buf, first, NUM_WARPS: gl.constexpr):
+        """Rows ``first`` … of ``buf`` [R, W] set to zero (through registers: plain stores)."""
+        R: gl.constexpr = buf.shape[0]
+        W: gl.constexpr = buf.shape[1]
+        io_layout: gl.constexpr = _io_layout(W, NUM_WARPS)
+        x = buf.load(io_layout)
+        rows = gl.arange(0, R, layout=gl.SliceLayout(1, io_layout))
+        buf.store(gl.where(gl.expand_dims(rows < first, 1), x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _next_block(j, g0, n_blocks, seq_len, kv_len, k0, v0, k1, v1, ready, kd0, vd0, kd1, vd1,
+                    row0, kcol, vcol, k_base, v_base, stride_kt, stride_vt,
                     AHEAD: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                     HEAD_DIM: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr,
-                    NUM_WARPS: gl.constexpr):
-        """Top of block j: its copies landed (this thread's by the wait, every thread's by the
-        barrier, for the tensor cores by the fence; at j = 0 the queries' too), and block
-        j + AHEAD's copies are issued into the slot the barrier says every warp is done with.
-        One commit group per block, empty past the last, so the wait's count holds."""
-        wait_group(AHEAD - 1)
-        fence_async_shared()
-        cta_barrier()
+                    NUM_WARPS: gl.constexpr, TMA_KV: gl.constexpr):
+        """Top of block j, the program's block g0 + j (its slot: ``(g0 + j) % STAGES``): its
+        copies landed, and block j + AHEAD's are issued into the slot the barrier says every
+        warp is done with.
+
+        cp.async: this thread's copies by the wait, every thread's by the barrier, for the tensor
+        cores by the fence (at j = 0 the queries' too); one commit group per block, empty past
+        the last, so the wait's count holds. TMA: the slot's mbarrier (its phase flips on every
+        use); on the sequence's last block the value rows past its end are zeroed, since TMA read
+        the next sequence's rows there and P = 0 times a value that is not finite is not 0 (keys
+        there are masked out of the scores, which the mask replaces whatever they are)."""
+        g = g0 + j
+        if TMA_KV:
+            s = g % STAGES
+            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+            if (j + 1) * BLOCK_N > seq_len:
+                _zero_rows(v0.index(s), seq_len - j * BLOCK_N, NUM_WARPS)
+                if D1 > 0:
+                    _zero_rows(v1.index(s), seq_len - j * BLOCK_N, NUM_WARPS)
+                fence_async_shared()
+            cta_barrier()
+        else:
+            wait_group(AHEAD - 1)
+            fence_async_shared()
+            cta_barrier()
         nxt = j + AHEAD
         if nxt < n_blocks:
-            sn = nxt % STAGES
-            _issue_block(k0.index(sn), v0.index(sn), k1.index(sn), v1.index(sn), k_base, v_base,
-                         stride_kt, stride_vt, nxt * BLOCK_N, kv_len, HEAD_DIM, D0, D1, NUM_WARPS)
-        commit_group()
+            sn = (g + AHEAD) % STAGES
+            if TMA_KV:
+                _issue_block_tma(kd0, vd0, kd1, vd1, k0.index(sn), v0.index(sn), k1.index(sn),
+                                 v1.index(sn), ready.index(sn), row0 + nxt * BLOCK_N, kcol, vcol,
+                                 D0, D1, BLOCK_N)
+            else:
+                _issue_block(k0.index(sn), v0.index(sn), k1.index(sn), v1.index(sn), k_base,
+                             v_base, stride_kt, stride_vt, nxt * BLOCK_N, kv_len, HEAD_DIM, D0,
+                             D1, NUM_WARPS)
+        if not TMA_KV:
+            commit_group()
 
     @gluon.jit
     def _scores(q0, q1, k0, k1, slot, zeros_s, SPLIT: gl.constexpr):
@@ -248,11 +304,14 @@ if gluon is not None:
             Q, K, V, O, Sinks, StartLoc, SeqLen,
             total_tokens, qk_scale, inv_scale,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-            stride_sink, stride_start, stride_len,
+            stride_sink, stride_start, stride_len, Kd0, Vd0, Kd1, Vd1,
             HEAD_DIM: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUERIES_PER_KV: gl.constexpr,
             IS_CAUSAL: gl.constexpr, SINK_MODE: gl.constexpr, DEFER_PV: gl.constexpr,
-            OVERLAP: gl.constexpr):
+            OVERLAP: gl.constexpr, TMA_KV: gl.constexpr):
+        # Kd0 … Vd1: TMA descriptors of K and V as [tokens, heads × head dim], boxes of BLOCK_N
+        # rows and one part of the head dim (None without TMA_KV; Kd1, Vd1 repeat Kd0, Vd0 where
+        # the head dim has one part)
         NUM_WARPS: gl.constexpr = BLOCK_M // 16
         # The head dim in two parts (D0 a power of two, D1 one or 0): 80 = 64 + 16 computes 80
         # columns, where one power of two would compute 128.
@@ -311,6 +370,18 @@ if gluon is not None:
         rows_s = gl.arange(0, BLOCK_M, layout=row_layout)
         cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        if TMA_KV:  # one mbarrier per ring slot; TMA reads K and V by row and column
+            ready = mbarrier.allocate_mbarrier(batch=STAGES)
+            for b in gl.static_range(STAGES):
+                mbarrier.init(ready.index(b), count=1)
+            fence_async_shared()
+            row0 = seq_start64.to(gl.int32)
+            kcol = kv_head * HEAD_DIM
+        else:
+            ready = q0
+            row0 = 0
+            kcol = 0
+        g0 = 0  # blocks this program loaded before the current tile: the ring's slots and phases
 
         # Heavier tiles first under causality (they have more key blocks); a bound that was too
         # small is covered by the programs looping over the tiles past it.
@@ -337,12 +408,23 @@ if gluon is not None:
             _issue_rows(q0, q_base, stride_qt, m0, seq_len, HEAD_DIM, NUM_WARPS)
             if SPLIT:
                 _issue_rows(q1, q_base + D0, stride_qt, m0, seq_len, HEAD_DIM - D0, NUM_WARPS)
-            for b in gl.static_range(AHEAD):
-                if b < n_blocks:
-                    _issue_block(k0.index(b), v0.index(b), k1.index(b), v1.index(b), k_base,
-                                 v_base, stride_kt, stride_vt, b * BLOCK_N, kv_len, HEAD_DIM, D0,
-                                 D1, NUM_WARPS)
+            if TMA_KV:
                 commit_group()
+                for b in gl.static_range(AHEAD):
+                    if b < n_blocks:
+                        sb = (g0 + b) % STAGES
+                        _issue_block_tma(Kd0, Vd0, Kd1, Vd1, k0.index(sb), v0.index(sb),
+                                         k1.index(sb), v1.index(sb), ready.index(sb),
+                                         row0 + b * BLOCK_N, kcol, kcol, D0, D1, BLOCK_N)
+                wait_group(0)  # the queries, before block 0's barrier
+                fence_async_shared()
+            else:
+                for b in gl.static_range(AHEAD):
+                    if b < n_blocks:
+                        _issue_block(k0.index(b), v0.index(b), k1.index(b), v1.index(b), k_base,
+                                     v_base, stride_kt, stride_vt, b * BLOCK_N, kv_len, HEAD_DIM,
+                                     D0, D1, NUM_WARPS)
+                    commit_group()
 
             if SINK_MODE == NULL_LOGIT_C:
                 m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + sink_raw * qk_scale
@@ -360,21 +442,22 @@ if gluon is not None:
             if OVERLAP:
                 # Block 0 alone; then block j's scores with block j - 1's P · V, the softmax of
                 # j while that P · V runs, the output rescaled once it is done.
-                _next_block(0, n_blocks, k0, v0, k1, v1, k_base, v_base, stride_kt, stride_vt,
-                            kv_len, AHEAD, STAGES, BLOCK_N, HEAD_DIM, D0, D1, NUM_WARPS)
-                s = _scores(q0, q1, k0, k1, 0, zeros_s, SPLIT)
+                _next_block(0, g0, n_blocks, seq_len, kv_len, k0, v0, k1, v1, ready, Kd0, Vd0, Kd1,
+                            Vd1, row0, kcol, kcol, k_base, v_base, stride_kt, stride_vt, AHEAD,
+                            STAGES, BLOCK_N, HEAD_DIM, D0, D1, NUM_WARPS, TMA_KV)
+                s = _scores(q0, q1, k0, k1, g0 % STAGES, zeros_s, SPLIT)
                 s = warpgroup_mma_wait(0, deps=(s, ))
                 p, alpha, m_i, l_i = _softmax_block(s, 0, first_masked, kv_len, m0, m_i, l_i,
                                                     sink_raw, qk_scale, rows_s, cols_s, BLOCK_N,
                                                     IS_CAUSAL, SINK_MODE)
                 a0 = gl.convert_layout(p.to(dtype), p0_layout)
                 for j in range(1, n_blocks):
-                    _next_block(j, n_blocks, k0, v0, k1, v1, k_base, v_base, stride_kt,
-                                stride_vt, kv_len, AHEAD, STAGES, BLOCK_N, HEAD_DIM, D0, D1,
-                                NUM_WARPS)
-                    s = _scores(q0, q1, k0, k1, j % STAGES, zeros_s, SPLIT)
-                    acc0, acc1 = _accumulate(a0, v0, v1, (j - 1) % STAGES, acc0, acc1, p1_layout,
-                                             SPLIT)
+                    _next_block(j, g0, n_blocks, seq_len, kv_len, k0, v0, k1, v1, ready, Kd0, Vd0,
+                                Kd1, Vd1, row0, kcol, kcol, k_base, v_base, stride_kt, stride_vt,
+                                AHEAD, STAGES, BLOCK_N, HEAD_DIM, D0, D1, NUM_WARPS, TMA_KV)
+                    s = _scores(q0, q1, k0, k1, (g0 + j) % STAGES, zeros_s, SPLIT)
+                    acc0, acc1 = _accumulate(a0, v0, v1, (g0 + j - 1) % STAGES, acc0, acc1,
+                                             p1_layout, SPLIT)
                     # wgmma groups finish in order: with the P · V still pending, S is done.
                     if SPLIT:
                         s = warpgroup_mma_wait(2, deps=(s, ))
@@ -388,15 +471,15 @@ if gluon is not None:
                     if SPLIT:
                         acc1 = acc1 * _row(alpha, o1_layout)
                     a0 = gl.convert_layout(p.to(dtype), p0_layout)
-                acc0, acc1 = _accumulate(a0, v0, v1, (n_blocks - 1) % STAGES, acc0, acc1,
+                acc0, acc1 = _accumulate(a0, v0, v1, (g0 + n_blocks - 1) % STAGES, acc0, acc1,
                                          p1_layout, SPLIT)
                 acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
             else:
                 for j in range(0, n_blocks):
-                    _next_block(j, n_blocks, k0, v0, k1, v1, k_base, v_base, stride_kt,
-                                stride_vt, kv_len, AHEAD, STAGES, BLOCK_N, HEAD_DIM, D0, D1,
-                                NUM_WARPS)
-                    slot = j % STAGES
+                    _next_block(j, g0, n_blocks, seq_len, kv_len, k0, v0, k1, v1, ready, Kd0, Vd0,
+                                Kd1, Vd1, row0, kcol, kcol, k_base, v_base, stride_kt, stride_vt,
+                                AHEAD, STAGES, BLOCK_N, HEAD_DIM, D0, D1, NUM_WARPS, TMA_KV)
+                    slot = (g0 + j) % STAGES
                     s = _scores(q0, q1, k0, k1, slot, zeros_s, SPLIT)
                     if DEFER_PV:  # block j - 1's P · V too
                         if SPLIT:
@@ -418,6 +501,8 @@ if gluon is not None:
                 if DEFER_PV:
                     acc0, acc1 = _wait_pv(acc0, acc1, SPLIT)
             wait_group(0)  # the empty groups of the last blocks
+            if TMA_KV:
+                g0 += n_blocks
 
             inv_l = 1.0 / l_i
             _store_part(acc0, inv_l, q0, o_base, stride_ot, m0, seq_len, HEAD_DIM, NUM_WARPS)
@@ -431,6 +516,41 @@ if gluon is not None:
 def full_unavailable(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None when it can)."""
     return hopper_unavailable(device)
+
+
+def tma_unavailable(p: Problem, k, v) -> str | None:
+    """Why TMA cannot read this call's keys and values (None when it can): it reads boxes of the
+    [tokens, heads × head dim] view, so each token's heads must be back to back, and the head dim
+    must be its parts exactly (72 = 64 + 16 would read 8 columns of the next head)."""
+    if HostTensorDescriptor is None:
+        return "this Triton's Gluon has no host-side TMA descriptors"
+    if sum(head_dim_parts(p.head_dim)) != p.head_dim:
+        return f"head dim {p.head_dim} is not {' + '.join(map(str, head_dim_parts(p.head_dim)))}"
+    for name, x in (("k", k), ("v", v)):
+        if x.stride(2) != 1 or x.stride(1) != p.head_dim:
+            return f"{name}'s heads are not stored back to back (strides {tuple(x.stride())})"
+    if k.shape[0] >= 2 ** 31:
+        return "2**31 tokens or more (TMA coordinates are int32)"
+    return None
+
+
+def _tma_templates(p: Problem, k, v, block_n: int) -> tuple:
+    """The four descriptors' fields for this call signature (TMA's boxes: ``block_n`` rows of one
+    part of the head dim, K and V, part 0 then part 1), checked by the descriptor class itself;
+    () where it refuses them. Each call copies them with its own tensors (``_descriptors``)."""
+    d0, d1 = head_dim_parts(p.head_dim)
+    templates = []
+    for width in (d0, d1 or d0):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * width), element_bitwidth=16,
+                                      rank=2)
+        for x in (k, v):
+            try:
+                desc = HostTensorDescriptor(x, [x.shape[0], x.shape[1] * p.head_dim],
+                                            [x.stride(0), 1], [block_n, width], layout)
+            except AssertionError:  # its checks are asserts (alignment, strides, box)
+                return ()
+            templates.append(dict(vars(desc)))
+    return tuple(templates)
 
 
 def takes(p: Problem) -> str | None:
@@ -469,6 +589,8 @@ class FullLaunch:
     constexprs: dict
     options: dict
     variant: tuple  # the compiled kernel this launch needs: its constexprs and dtype
+    #: K, V, K, V descriptors' fields (``_tma_templates``) where TMA reads them, else ()
+    descriptors: tuple = ()
     token: int = dataclasses.field(default_factory=new_token, compare=False)
     # length bound -> (grid, the launcher's signature)
     _by_bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -477,8 +599,9 @@ class FullLaunch:
     def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks,
              tile: TileConfig | None = None) -> "FullLaunch | None":
         """A launch when the call fits the kernel, else None. ``tile``: another tile shape (the
-        benchmarks' sweep), default ``default_tile``. Declines rows that do not start on 16
-        bytes (the portable kernel takes those)."""
+        benchmarks' sweep), default ``default_tile``; a TMA tile takes cp.async where TMA cannot
+        read the call (``tma_unavailable``). Declines rows that do not start on 16 bytes (the
+        portable kernel takes those)."""
         if takes(p) is not None or full_unavailable(p.device) is not None:
             return None
         strides = stride_args(q, k, v, o, sinks, b_start_loc, b_seq_len)
@@ -490,16 +613,21 @@ class FullLaunch:
             raise ValueError(f"{tile}: defer_pv and overlap are two schedules; take one")
         if tile.stages - 1 - (tile.defer_pv or tile.overlap) < 1:
             raise ValueError(f"{tile}: no ring slot left to load ahead (stages too few)")
+        descriptors = ()
+        if tile.tma and tma_unavailable(p, k, v) is None:
+            descriptors = _tma_templates(p, k, v, tile.block_n)
         constexprs = dict(HEAD_DIM=p.head_dim, D0=parts[0], D1=parts[1], BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, STAGES=tile.stages,
                           QUERIES_PER_KV=p.queries_per_kv, IS_CAUSAL=p.is_causal,
                           SINK_MODE=p.sink_mode, DEFER_PV=tile.defer_pv,
-                          OVERLAP=tile.overlap)
+                          OVERLAP=tile.overlap, TMA_KV=bool(descriptors))
+        if not descriptors:  # no descriptors: constants, compiled away
+            constexprs.update(Kd0=None, Vd0=None, Kd1=None, Vd1=None)
         scalars = (p.tokens, p.log2_scale, 1.0 / p.scale, *(x // 8 for x in strides[:8]),
                    *strides[8:])
         options = launch_options(p.device, num_warps=tile.block_m // 16, maxnreg=tile.maxnreg)
         return cls(p.tokens, p.num_seqs, p.q_heads, tile.block_m, scalars, constexprs, options,
-                   tuple(sorted(constexprs.items())) + (p.dtype, ))
+                   tuple(sorted(constexprs.items())) + (p.dtype, ), descriptors)
 
     def grid(self, max_len_hint: int) -> tuple:
         tiles = triton.cdiv(min(max(max_len_hint, 1), self.tokens), self.block_m)
@@ -517,9 +645,23 @@ class FullLaunch:
     def ready(self, max_len_hint: int) -> tuple | None:
         """The direct launch of this bound, once launched (``DirectLauncher.ready``), else None."""
         bound = self._by_bound.get(max_len_hint)
-        if bound is None:
+        if bound is None or self.descriptors:  # descriptors hold each call's addresses
             return None
         return _LAUNCHER.ready(bound[1], bound[0], self.scalars)
+
+    def _scalars(self, k, v) -> tuple:
+        """The kernel's arguments after the seven tensors for this call: with TMA, each call's
+        descriptors (its K's and V's addresses) after the fixed scalars. A copy of the plan's
+        checked descriptor with another tensor of the same shape, strides and alignment is as
+        valid as the original (``__call__`` checks the alignment)."""
+        if not self.descriptors:
+            return self.scalars
+        made = []
+        for i, fields in enumerate(self.descriptors):
+            desc = object.__new__(HostTensorDescriptor)
+            vars(desc).update(fields, base=v if i % 2 else k)
+            made.append(desc)
+        return (*self.scalars, *made)
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_len_hint: int) -> bool:
         """Launch; False (nothing launched, nothing written) when this kernel variant failed to
@@ -528,13 +670,14 @@ class FullLaunch:
             return False  # a view that starts off 16 bytes: cp.async cannot copy its rows whole
         grid, signature = self._bound(max_len_hint)
         tensors = (q, k, v, o, sinks if sinks is not None else q, b_start_loc, b_seq_len)
+        scalars = self._scalars(k, v)
         if self.variant in _COMPILED_VARIANTS:
-            _LAUNCHER(signature, grid, tensors, self.scalars, self.constexprs, self.options)
+            _LAUNCHER(signature, grid, tensors, scalars, self.constexprs, self.options)
             return True
         if self.variant in _FAILED_VARIANTS:
             return False
         try:  # the first launch of a variant compiles it
-            _LAUNCHER(signature, grid, tensors, self.scalars, self.constexprs, self.options)
+            _LAUNCHER(signature, grid, tensors, scalars, self.constexprs, self.options)
         except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
             _FAILED_VARIANTS.add(self.variant)
             warnings.warn(f"vllm-sinks: the Hopper full-attention kernel failed to compile "

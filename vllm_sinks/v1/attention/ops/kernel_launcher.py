@@ -152,7 +152,10 @@ def direct_launch(compiled, grid: tuple, stream, kernel_args: tuple):
 class DirectLauncher:
     """Launches of one jitted kernel, by signature. The kernel takes its seven tensors first (q, k,
     v, o, sinks, start offsets, lengths), then its scalars, then its compile-time parameters (both
-    of the op's kernels are declared so)."""
+    of the op's kernels are declared so). A "scalar" may also be a host-side TMA descriptor: an
+    object made per call (it holds that call's address), which the release's C-launch wrapper
+    turns into the CUtensorMap, shape and strides; a signature then keeps none of a call's
+    scalars (they would keep its tensors alive) and has no ``ready`` launch."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -208,7 +211,7 @@ class DirectLauncher:
         if entry is None or self._stream is None:
             return None
         compiled, tail, launch, packed, head, entry_scalars, rest = entry
-        if launch is None or not packed:
+        if launch is None or not packed or rest is None:
             return None
         return (launch, *self._stream, *grid, head, (*scalars, *tail))
 
@@ -225,8 +228,10 @@ class DirectLauncher:
             get_stream, get_device = self._stream
             direct = direct_launch(compiled, grid, get_stream(get_device()), (*ptrs, *scalars, *tail))
             launch, layout, head = direct or (None, None, None)
-            self._compiled[signature] = (compiled, tail, launch, layout == "packed", head, scalars,
-                                         (*scalars, *tail))
+            plain = all(type(x) in (int, float) for x in scalars)  # else: per-call descriptors
+            self._compiled[signature] = (compiled, tail, launch, layout == "packed", head,
+                                         scalars if plain else None,
+                                         (*scalars, *tail) if plain else None)
         return compiled
 
 
