@@ -184,6 +184,16 @@ def run_passes(cfg: Config, layer, pool, stream, sync) -> list[float]:
     return times
 
 
+def cpu_now() -> int | None:
+    """The CPU this process last ran on (``/proc/self/stat``'s ``processor``; None off Linux): a
+    process's host time depends on where it runs, and the report says where each one ran."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[36])
+
+
 def child(path: str, cfg: Config, peers_dir, workloads: list[str]) -> dict:
     """One path's workloads in this process: first sight, then seen again."""
     from benchmarks.kernels import peers
@@ -208,8 +218,9 @@ def child(path: str, cfg: Config, peers_dir, workloads: list[str]) -> dict:
     for name in workloads:
         layer, pool = (full_layers if name == "full" else mimo_layers)(cfg, path, upstream)
         first = run_passes(cfg, layer, pool, stream, sync)
+        cpus = [cpu_now()]
         again = run_passes(cfg, layer, pool, stream, sync)
-        result[name] = dict(first=first, again=again)
+        result[name] = dict(first=first, again=again, cpus=cpus + [cpu_now()])
         del pool
     result["op_syncs"] = 0 if counter is None else counter.calls
     result["op_sync_ms"] = 0.0 if counter is None else counter.seconds * 1e3
@@ -238,6 +249,7 @@ def merge_rounds(rounds: list[dict], workloads: list[str]) -> dict:
         merged[w] = {k: [statistics.median(r[w][k][i] for r in rounds)
                          for i in range(len(rounds[0][w][k]))] for k in ("first", "again")}
         merged[w]["round_totals"] = {k: [sum(r[w][k]) for r in rounds] for k in ("first", "again")}
+        merged[w]["round_cpus"] = [r[w].get("cpus") for r in rounds]
     merged["op_syncs"] = sum(r["op_syncs"] for r in rounds)
     merged["op_sync_ms"] = sum(r["op_sync_ms"] for r in rounds)
     merged["rounds"] = len(rounds)
@@ -294,6 +306,11 @@ def markdown(results: list[dict], header: str, workloads: list[str]) -> str:
         if spread:
             out.append(f"- {w}: total ms of each process, min–max (first sight, seen again): "
                        f"{spread}")
+    for w in workloads:
+        where = "; ".join(f"{r['path']} " + ", ".join("/".join(map(str, c or ["?"])) for c in r[w]["round_cpus"])
+                          for r in results if r[w].get("round_cpus"))
+        if where:
+            out.append(f"- {w}: the CPU each process was on after first sight / seen again: {where}")
     out += pass_zero_lines(results, workloads)
     for r in results:
         out.append(f"- {r['path']}: measured at run time: {r['op_syncs']} synchronisations inside "

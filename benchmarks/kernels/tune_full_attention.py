@@ -3,6 +3,8 @@ front door reads (``vllm_sinks/v1/attention/ops/full_attention_table.py``) for t
 
     python3 benchmarks/kernels/tune_full_attention.py [--peers .gpu/peers] [--out DIR] [--jobs 15]
     python3 benchmarks/kernels/tune_full_attention.py --dry-run --tables-dir /tmp/t   # CPU, fake ops
+    python3 benchmarks/kernels/tune_full_attention.py --show vllm_sinks/v1/attention/ops/tables/*.json
+                                                     # the reports docs/benchmarks.md quotes
 
 On the GPU machine (no vLLM: upstream's op is vLLM 0.33.0's file, ``peers.upstream_op``), under the
 Triton (and ptxas) users compile with: ``run_on_device.sh tune``. For every class of the grid (head
@@ -463,6 +465,97 @@ def print_table(doc: dict) -> None:
               + " | ".join(cells) + " |")
 
 
+#: Issue 30's target: upstream time / ours at least this, on encoder shapes from 1k tokens on.
+TARGET_RATIO, TARGET_BUCKETS = 1.3, tuple(range(10, 15))
+
+
+def _group_name(head_dim: int, causal: bool) -> str:
+    return f"{head_dim}{' causal' if causal else ''}"
+
+
+def print_tiles(doc: dict) -> None:
+    """Per group: the default tile's time, the best tile by cp.async and by TMA, and the one chosen
+    (geometric means over the group's classes of ``TILE_BUCKETS``, µs; × the default's time)."""
+    print(f"\nTriton {doc['triton_full']}: each group's tile, geometric mean µs over its classes of "
+          f"2**{'/'.join(map(str, TILE_BUCKETS))} tokens (× the default's time)\n")
+    print("| group | dtype | default | best by cp.async | best by TMA | chosen |")
+    print("|---|---|---|---|---|---|")
+    for row in doc["tiles"]:
+        cands = row["candidates"]
+        base = cands[0]["geomean_us"]
+
+        def best(tma: bool) -> str:
+            c = min((c for c in cands[1:] if bool(c["tile"].get("tma")) is tma),
+                    key=lambda c: c["geomean_us"], default=None)
+            return "—" if c is None else (f"{_tile_name(c['tile'])}: {c['geomean_us']:.0f} "
+                                          f"({base / c['geomean_us']:.2f}×)")
+
+        print(f"| {_group_name(row['head_dim'], row['causal'])} | {row['dtype']} | {base:.0f} | "
+              f"{best(False)} | {best(True)} | {_tile_name(row['tile'])} |")
+
+
+def print_worst_grid(doc: dict, dtype: str) -> None:
+    """Per group of ``dtype``: each length bucket's worst ratio over the head shapes; ``†`` where
+    a class of the cell is upstream's."""
+    cells: dict = {}
+    for e in doc["entries"]:
+        if e["dtype"] == dtype:
+            cells.setdefault((e["head_dim"], e["causal"]), {}).setdefault(e["length_bucket"], []).append(e)
+    buckets = sorted({b for row in cells.values() for b in row})
+    ours = sum(e["verdict"] == "ours" for e in doc["entries"])
+    print(f"\nTriton {doc['triton_full']}, {dtype}: upstream time / ours, the worst head shape per "
+          f"cell († a class upstream's); {ours} of {len(doc['entries'])} classes ours\n")
+    print("| D | " + " | ".join(f"{2 ** b if b < 10 else f'{2 ** (b - 10)}k'}" for b in buckets) + " |")
+    print("|---" * (1 + len(buckets)) + "|")
+    for (d, causal), row in sorted(cells.items()):
+        out = []
+        for b in buckets:
+            es = row.get(b, [])
+            out.append("—" if not es else f"{min(e['ratio'] for e in es):.2f}"
+                       + ("†" if any(e["verdict"] != "ours" for e in es) else ""))
+        print(f"| {_group_name(d, causal)} | " + " | ".join(out) + " |")
+
+
+def target_cells(doc: dict) -> dict:
+    """{(head dim, causal): ratios of every class of ``TARGET_BUCKETS`` (both dtypes, every head
+    shape)}."""
+    cells: dict = {}
+    for e in doc["entries"]:
+        if e["length_bucket"] in TARGET_BUCKETS:
+            cells.setdefault((e["head_dim"], e["causal"]), []).append(e["ratio"])
+    return cells
+
+
+def print_target(docs: list[dict]) -> None:
+    """Per release and group: the ratio range from 1k tokens on, and how many cells miss
+    ``TARGET_RATIO``."""
+    per_doc = [target_cells(doc) for doc in docs]
+    groups = sorted({g for cells in per_doc for g in cells})
+    print(f"\nupstream time / ours from {2 ** (TARGET_BUCKETS[0] - 10)}k to "
+          f"{2 ** (TARGET_BUCKETS[-1] - 10)}k tokens, every class (both dtypes, every head shape): "
+          f"range (cells below {TARGET_RATIO} of all)\n")
+    print("| Triton | " + " | ".join(_group_name(*g) for g in groups) + " |")
+    print("|---" * (1 + len(groups)) + "|")
+    for doc, cells in zip(docs, per_doc):
+        out = []
+        for g in groups:
+            r = cells.get(g, [])
+            low = sum(x < TARGET_RATIO for x in r)
+            out.append("—" if not r else f"{min(r):.2f}–{max(r):.2f}" + (f" ({low} of {len(r)})" if low else ""))
+        print(f"| {doc['triton_full']} | " + " | ".join(out) + " |")
+
+
+def show(paths: list[str]) -> None:
+    """``--show``: the reports docs/benchmarks.md quotes, from shipped (or returned) tables."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    for doc in docs:
+        print_tiles(doc)
+    for doc in docs:
+        for dtype in DTYPES:
+            print_worst_grid(doc, dtype)
+    print_target(docs)
+
+
 def dumps(doc: dict) -> str:
     """The document as JSON, one entry a line (a diff of two tables then reads class by class)."""
     head = json.dumps({k: v for k, v in doc.items() if k != "entries"}, indent=1)
@@ -490,7 +583,7 @@ def check_round_trip(path: Path, doc: dict) -> None:
         assert table.decide(c) is (e["verdict"] == "ours"), (path, c)
 
 
-def main(argv=None) -> Path:
+def main(argv=None) -> Path | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peers", default=None, help="fetch_peers.sh's folder (default .gpu/peers)")
     ap.add_argument("--out", default=os.environ.get("OUT") or None, help="also write DIR/tables")
@@ -499,7 +592,12 @@ def main(argv=None) -> Path:
     ap.add_argument("--jobs", type=int, default=min(15, max(1, (os.cpu_count() or 2) - 1)),
                     help="worker processes compiling first (1: none)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, stand-in ops, a tiny grid")
+    ap.add_argument("--show", nargs="+", metavar="TABLE", help="print the reports of these tables "
+                    "(each group's tile, the worst head shape per cell, the target from 1k tokens); "
+                    "measure nothing")
     args = ap.parse_args(argv)
+    if args.show:
+        return show(args.show)
     t_start = time.perf_counter()
     import triton
 

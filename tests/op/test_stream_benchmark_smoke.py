@@ -38,23 +38,25 @@ def test_a_cpu_smoke_run_reports_every_path_and_workload(tmp_path):
     for r in results:
         for w in ("full", "mimo"):
             assert len(r[w]["first"]) == len(r[w]["again"]) == 1 and r[w]["first"][0] > 0
+            assert len(r[w]["round_cpus"]) == 1 and len(r[w]["round_cpus"][0]) == 2
         assert r["op_syncs"] == 0
     table = (tmp_path / "stream.md").read_text()
     assert table.count("| full |") == table.count("| mimo |") == len(stream.PATHS)
 
 
 def test_rounds_merge_pass_by_pass_and_keep_each_process_total():
-    def one(first, again):
-        return dict(path="p", full=dict(first=first, again=again), op_syncs=0, op_sync_ms=0.0,
-                    classes_ours=1, classes_upstream=0)
+    def one(first, again, cpus=None):
+        return dict(path="p", full=dict(first=first, again=again, cpus=cpus), op_syncs=0,
+                    op_sync_ms=0.0, classes_ours=1, classes_upstream=0)
 
-    merged = stream.merge_rounds([one([1.0, 9.0], [2.0]), one([3.0, 5.0], [2.0]),
+    merged = stream.merge_rounds([one([1.0, 9.0], [2.0], [3, 3]), one([3.0, 5.0], [2.0], [7, 9]),
                                   one([30.0, 4.0], [4.0])], ["full"])
     assert merged["full"]["first"] == [3.0, 5.0] and merged["full"]["again"] == [2.0]
     assert merged["full"]["round_totals"] == dict(first=[10.0, 8.0, 34.0], again=[2.0, 2.0, 4.0])
     assert merged["rounds"] == 3 and merged["op_syncs"] == 0
     table = stream.markdown([dict(merged, path="upstream")], "header", ["full"])
     assert "upstream 8–34, 2–4" in table
+    assert "upstream 3/3, 7/9, ?" in table  # where each process ran
 
 
 def test_pass_zero_is_reported_apart():

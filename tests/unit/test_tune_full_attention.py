@@ -80,6 +80,31 @@ def test_the_default_tile_disagreeing_with_upstream_stops_the_tune(tmp_path, mon
     assert not list(tmp_path.glob("*.json"))
 
 
+def test_show_reports_each_tile_the_worst_head_shape_and_the_target(tmp_path, capsys):
+    """``--show``: what docs/benchmarks.md quotes, read from a table as the tune wrote it."""
+    tiles = tune.tile_candidates(64, False)
+    times = (700, 690, 750, 760, 600, 650, 580)
+    doc = dict(triton_full="3.9.0", tiles=[dict(
+        head_dim=64, dtype="bfloat16", causal=False, tile=tiles[6],
+        candidates=[dict(tile=t, geomean_us=us, off_upstream=1e-3) for t, us in zip(tiles, times)])])
+
+    def entry(heads_bucket, bucket, ratio, verdict="ours"):
+        return dict(head_dim=64, dtype="bfloat16", causal=False, queries_per_kv=1,
+                    heads_bucket=heads_bucket, length_bucket=bucket, ratio=ratio, variants=[],
+                    verdict=verdict)
+
+    doc["entries"] = [entry(2, 6, 3.0), entry(2, 10, 1.5), entry(4, 10, 1.2), entry(2, 11, 2.0),
+                      entry(4, 11, 0.9, "upstream")]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(doc))
+    assert tune.main(["--show", str(path)]) is None  # measures nothing
+    out = capsys.readouterr().out
+    assert ("| 64 | bfloat16 | 700 | 64x64 s3 defer r168: 690 (1.01×) | 64x64 s2 tma: 580 (1.21×) "
+            "| 64x64 s2 tma |") in out
+    assert "| D | 64 | 1k | 2k |" in out and "| 64 | 3.00 | 1.20 | 0.90† |" in out
+    assert "| 3.9.0 | 0.90–2.00 (2 of 4) |" in out  # 1k tokens on: 1.2 and 0.9 miss 1.3
+
+
 def test_the_shipped_tables_measured_the_kernels_in_this_tree():
     """A table's verdicts hold for the code it timed: a change to our kernels (or to what they are
     built from) is re-tuned on the GPU (``run_on_device.sh tune``) before it ships."""
