@@ -194,6 +194,19 @@ def cpu_now() -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[36])
 
 
+def python_ns() -> float:
+    """ns per step of a fixed pure-Python loop (best of 5): how fast this process runs Python
+    where it is. A host-bound pass costs what the host's Python costs, and one process's MiMo
+    total has moved by a third against another's running the same code (session 25)."""
+    best = float("inf")
+    for _ in range(5):
+        d, t0 = {}, time.perf_counter()
+        for i in range(20000):
+            d[i & 255] = d.get(i & 127, 0) + 1
+        best = min(best, time.perf_counter() - t0)
+    return best / 20000 * 1e9
+
+
 def child(path: str, cfg: Config, peers_dir, workloads: list[str]) -> dict:
     """One path's workloads in this process: first sight, then seen again."""
     from benchmarks.kernels import peers
@@ -214,7 +227,7 @@ def child(path: str, cfg: Config, peers_dir, workloads: list[str]) -> dict:
         counter = SyncCounter()
         torch.cuda.synchronize = counter  # the harness keeps the original in ``sync``
     stream = stream_of_passes(cfg)
-    result = dict(path=path)
+    result = dict(path=path, python_ns=[python_ns()])
     for name in workloads:
         layer, pool = (full_layers if name == "full" else mimo_layers)(cfg, path, upstream)
         first = run_passes(cfg, layer, pool, stream, sync)
@@ -222,6 +235,7 @@ def child(path: str, cfg: Config, peers_dir, workloads: list[str]) -> dict:
         again = run_passes(cfg, layer, pool, stream, sync)
         result[name] = dict(first=first, again=again, cpus=cpus + [cpu_now()])
         del pool
+    result["python_ns"].append(python_ns())
     result["op_syncs"] = 0 if counter is None else counter.calls
     result["op_sync_ms"] = 0.0 if counter is None else counter.seconds * 1e3
     decisions = list(fat._DECISIONS.values())
@@ -252,6 +266,7 @@ def merge_rounds(rounds: list[dict], workloads: list[str]) -> dict:
         merged[w]["round_cpus"] = [r[w].get("cpus") for r in rounds]
     merged["op_syncs"] = sum(r["op_syncs"] for r in rounds)
     merged["op_sync_ms"] = sum(r["op_sync_ms"] for r in rounds)
+    merged["round_python_ns"] = [r.get("python_ns") for r in rounds]
     merged["rounds"] = len(rounds)
     return merged
 
@@ -311,6 +326,12 @@ def markdown(results: list[dict], header: str, workloads: list[str]) -> str:
                           for r in results if r[w].get("round_cpus"))
         if where:
             out.append(f"- {w}: the CPU each process was on after first sight / seen again: {where}")
+    speed = "; ".join(f"{r['path']} " + ", ".join("/".join(f"{x:.0f}" for x in ns or []) or "?"
+                                                  for ns in r["round_python_ns"])
+                      for r in results if r.get("round_python_ns"))
+    if speed:
+        out.append(f"- each process's Python, ns per step of a fixed loop (before / after its "
+                   f"workloads): {speed}")
     out += pass_zero_lines(results, workloads)
     for r in results:
         out.append(f"- {r['path']}: measured at run time: {r['op_syncs']} synchronisations inside "

@@ -39,6 +39,7 @@ def test_a_cpu_smoke_run_reports_every_path_and_workload(tmp_path):
         for w in ("full", "mimo"):
             assert len(r[w]["first"]) == len(r[w]["again"]) == 1 and r[w]["first"][0] > 0
             assert len(r[w]["round_cpus"]) == 1 and len(r[w]["round_cpus"][0]) == 2
+        assert len(r["round_python_ns"]) == 1 and all(x > 0 for x in r["round_python_ns"][0])
         assert r["op_syncs"] == 0
     table = (tmp_path / "stream.md").read_text()
     assert table.count("| full |") == table.count("| mimo |") == len(stream.PATHS)
