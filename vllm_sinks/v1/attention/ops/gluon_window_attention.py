@@ -709,12 +709,27 @@ class WalkLaunch:
 
     def chunking(self, max_len_hint: int, chunk: int | None = None):
         """(tiles per program, programs per sequence and head group) for a length bound: by
-        default one wave of programs over the bound's tiles, at least 4 tiles each."""
-        tiles = triton.cdiv(min(max(max_len_hint, 1), self.tokens), self.tokens_per_tile)
+        default one wave of programs over the sequences' tiles, at least 4 tiles each.
+
+        The host knows the bound on each sequence's length and the tokens of all of them, not each
+        length (those are on the GPU). Both give a chunk under which the programs that have tiles
+        fit one wave whatever the lengths are: one wave's share per sequence at the bound, or the
+        wave's share per head group over all the tiles (less one program per sequence for its
+        partial chunk). The smaller one runs. Equal lengths keep the first; a long image beside
+        short ones (a server's usual pass) gets the second, which gives the long one the wave
+        instead of 1 / num_seqs of it (issue 30's stream: a pass of 16201, 965 and 341 tokens
+        had 128 programs for its 16201 on 132 SMs)."""
+        bound = min(max(max_len_hint, 1), self.tokens)
+        tiles = triton.cdiv(bound, self.tokens_per_tile)
         if chunk is None:
-            resident = self.sm_count * self.budget().programs_per_sm
-            per_seq = max(1, resident // (self.head_groups * self.num_seqs))
-            chunk = max(4, triton.cdiv(tiles, per_seq))
+            per_group = self.sm_count * self.budget().programs_per_sm // self.head_groups
+            chunk = triton.cdiv(tiles, max(1, per_group // self.num_seqs))
+            if per_group > self.num_seqs:
+                # at most one partial tile per sequence past tokens / tile
+                all_tiles = triton.cdiv(min(self.tokens, self.num_seqs * bound), self.tokens_per_tile)
+                chunk = min(chunk, triton.cdiv(all_tiles + self.num_seqs - 1,
+                                               per_group - self.num_seqs))
+            chunk = max(4, chunk)
         return chunk, triton.cdiv(tiles, chunk)
 
     def ready(self, max_len_hint: int) -> tuple | None:
