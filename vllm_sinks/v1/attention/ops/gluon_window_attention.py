@@ -725,7 +725,8 @@ class WalkLaunch:
             per_group = self.sm_count * self.budget().programs_per_sm // self.head_groups
             chunk = triton.cdiv(tiles, max(1, per_group // self.num_seqs))
             if per_group > self.num_seqs:
-                # at most one partial tile per sequence past tokens / tile
+                # each sequence adds at most one partial tile (+ n - 1 tiles) and one partial
+                # chunk (n programs fewer for the whole tiles)
                 all_tiles = triton.cdiv(min(self.tokens, self.num_seqs * bound), self.tokens_per_tile)
                 chunk = min(chunk, triton.cdiv(all_tiles + self.num_seqs - 1,
                                                per_group - self.num_seqs))
