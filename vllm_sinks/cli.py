@@ -5,6 +5,7 @@
     vllm-sinks diff [...]        differential check: vLLM prompt logprobs vs HF eager on tiny models
     vllm-sinks verify [...]      the differential check for every sink family, patch on and off
     vllm-sinks verify --model PATH [...]   the same check on your checkpoint (HF eager reference)
+    vllm-sinks tune [...]        time our op against the installed vLLM's on this GPU; write its table
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def _verify(args: argparse.Namespace) -> int:
     return verify_main(args.rest)
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from vllm_sinks.v1.attention.ops.tune_full_attention import main as tune_main
+
+    tune_main(args.rest)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-sinks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="the source checkout to edit (default: the one the current directory is in)")
     docs.set_defaults(func=_docs)
     for name, func, text in (("diff", _diff, "differential check vs HF eager"),
-                             ("verify", _verify, "differential check, all families (or --model PATH), patch on/off")):
+                             ("verify", _verify, "differential check, all families (or --model PATH), patch on/off"),
+                             ("tune", _tune, "time our op against vLLM's on this GPU, write its table")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)

@@ -11,16 +11,20 @@ cache holds every kernel and no compile is timed:
 - ``upstream``: upstream's op alone (vLLM without the plugin: its own ``context_attention_fwd``,
   and MiMo's window layers as upstream's ``_forward_window_attn`` calls it);
 - ``patched``: our front door with upstream's op registered (``use_upstream_op``, as the prefill-op
-  patch does) and the shipped table (``full_attention_table``); MiMo through the patched layer;
+  patch does) and the table in force on this GPU (``full_attention_table.find_table``: the user's
+  tuned one, the shipped one, or the architecture default); MiMo through the patched layer;
 - ``ours``: our front door with no upstream registered;
 - ``patched, no table``: as ``patched`` with no table read (every class to the fallback: upstream).
 
-Workloads, each ``--passes`` passes of 1–3 images whose token counts are drawn per pass (seeded,
-log-uniform in 64–16384), 24 layers each, then the same passes again ("seen again"):
+Workloads, each ``--passes`` passes of images whose token counts are drawn per pass (seeded,
+log-uniform in the workload's range), then the same passes again ("seen again"):
 
-- ``full``: full attention, 16 heads, head dim 80, bf16, as vLLM's Triton ViT wrapper calls the op
-  (``b_start_loc = cu_seqlens[:-1]``, ``b_seq_len`` their differences, a fresh output, the
-  longest image's tokens as a Python int, ``is_causal=False``);
+- ``full``: full attention, 16 heads, head dim 80, bf16, 24 layers, 1–3 images of 64–16384 tokens,
+  as vLLM's Triton ViT wrapper calls the op (``b_start_loc = cu_seqlens[:-1]``, ``b_seq_len`` their
+  differences, a fresh output, the longest image's tokens as a Python int, ``is_causal=False``);
+- the other full-attention streams of ``FULL_STREAMS``, called the same way: encoders of other
+  head dims, dtypes, depths and image mixes (issue 44's, and head dims and head counts no table
+  measured: 88, 104, 20 heads);
 - ``mimo``: MiMo-V2.5's window layers, 32/8 heads, head dim 64, window 64, key-0 sinks,
   ``cu_seqlens`` on the GPU and ``max_seqlen`` a host tensor (``benchmark_mimo_pass``'s layer).
 
@@ -72,6 +76,26 @@ class Config:
     #: is reported as its median over them. One process's total moved by a third on the MiMo
     #: workload where three paths ran the same code (session 21, Triton 3.9.0).
     rounds: int = 3
+
+
+#: Full-attention workloads besides ``full`` (called as ``full`` is): the Config fields each sets.
+FULL_STREAMS = {
+    "d72": dict(full_heads=(16, 16, 72), layers=27, images=(1, 4), tokens=(64, 16384)),
+    "d128": dict(full_heads=(25, 25, 128), layers=45, images=(1, 13), tokens=(1025, 1025)),
+    "d72-fp16": dict(full_heads=(16, 16, 72), layers=27, images=(1, 8), tokens=(256, 1024),
+                     dtype="float16"),
+    "d88": dict(full_heads=(16, 16, 88), layers=24, images=(1, 3), tokens=(64, 16384)),
+    "d104-fp16": dict(full_heads=(20, 20, 104), layers=32, images=(1, 6), tokens=(256, 4096),
+                      dtype="float16"),
+    "d96-fp16": dict(full_heads=(16, 16, 96), layers=24, images=(1, 4), tokens=(64, 8192),
+                     dtype="float16"),
+    "d112": dict(full_heads=(16, 16, 112), layers=24, images=(1, 4), tokens=(64, 8192)),
+}
+
+
+def workload_config(cfg: Config, name: str) -> Config:
+    """The Config a workload runs with: ``cfg`` itself for ``full`` and ``mimo``."""
+    return dataclasses.replace(cfg, **FULL_STREAMS[name]) if name in FULL_STREAMS else cfg
 
 
 #: --cpu-smoke: the same code on Triton's interpreter, small enough to run in a test
@@ -217,7 +241,10 @@ def child(path: str, cfg: Config, peers_dir, workloads: list[str]) -> dict:
     if upstream is None:
         raise SystemExit("upstream's op did not load")
     op.use_upstream_op(upstream.raw if path in ("patched", "patched, no table") else None)
-    fat.use_table_dir(None if path == "patched, no table" else fat.SHIPPED_DIR)
+    if path == "patched, no table":
+        fat.use_table_dir(None)
+    else:
+        fat.use_table_dir()  # what a user's process reads: tuned here, shipped, or architecture default
     sync = _sync(cfg.device)
     counter = None
     if cfg.device == "cuda":
@@ -226,20 +253,23 @@ def child(path: str, cfg: Config, peers_dir, workloads: list[str]) -> dict:
         warm_gpu()
         counter = SyncCounter()
         torch.cuda.synchronize = counter  # the harness keeps the original in ``sync``
-    stream = stream_of_passes(cfg)
     result = dict(path=path, python_ns=[python_ns()])
     for name in workloads:
-        layer, pool = (full_layers if name == "full" else mimo_layers)(cfg, path, upstream)
-        first = run_passes(cfg, layer, pool, stream, sync)
+        wcfg = workload_config(cfg, name)
+        stream = stream_of_passes(wcfg)
+        layer, pool = (mimo_layers if name == "mimo" else full_layers)(wcfg, path, upstream)
+        first = run_passes(wcfg, layer, pool, stream, sync)
         cpus = [cpu_now()]
-        again = run_passes(cfg, layer, pool, stream, sync)
+        again = run_passes(wcfg, layer, pool, stream, sync)
         result[name] = dict(first=first, again=again, cpus=cpus + [cpu_now()])
         del pool
     result["python_ns"].append(python_ns())
     result["op_syncs"] = 0 if counter is None else counter.calls
     result["op_sync_ms"] = 0.0 if counter is None else counter.seconds * 1e3
-    decisions = list(fat._DECISIONS.values())
+    decisions = [ours for r in fat._ROUTES.values() for ours in r.decided.values()]
     result["classes_ours"], result["classes_upstream"] = sum(decisions), len(decisions) - sum(decisions)
+    found = fat.find_table(fat.device_identity((cfg.device, 0))) if path == "patched" else None
+    result["table"] = "none" if found is None else found.describe()
     return result
 
 
@@ -336,8 +366,18 @@ def markdown(results: list[dict], header: str, workloads: list[str]) -> str:
     for r in results:
         out.append(f"- {r['path']}: measured at run time: {r['op_syncs']} synchronisations inside "
                    f"the op ({r['op_sync_ms']:.1f} ms), no timing; table classes decided: "
-                   f"{r['classes_ours']} ours, {r['classes_upstream']} upstream")
+                   f"{r['classes_ours']} ours, {r['classes_upstream']} upstream"
+                   + (f"; table in force: {r['table']}" if r.get("table") else ""))
     return "\n".join(out) + "\n"
+
+
+def describe_workload(cfg: Config, name: str) -> str:
+    hq, hkv, d = cfg.mimo_heads if name == "mimo" else cfg.full_heads
+    lens = (f"{cfg.tokens[0]}" if cfg.tokens[0] == cfg.tokens[1]
+            else f"{cfg.tokens[0]}–{cfg.tokens[1]}")
+    extra = f", window {cfg.window}, key-0 sinks" if name == "mimo" else ""
+    return (f"{name}: {hq}/{hkv} heads, D {d}, {cfg.dtype}{extra}, {cfg.layers} layers, "
+            f"{cfg.images[0]}–{cfg.images[1]} images of {lens} tokens")
 
 
 def main(argv=None):
@@ -363,6 +403,9 @@ def main(argv=None):
     elif not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --cpu-smoke)")
     workloads = args.workloads.split(",")
+    unknown = sorted(set(workloads) - {"full", "mimo", *FULL_STREAMS})
+    if unknown:
+        sys.exit(f"--workloads: unknown {unknown}; known: full, mimo, {', '.join(FULL_STREAMS)}")
     if args.child:  # in a child process: the paths named, one after another (the warm-up: all)
         results = [child(path, cfg, args.peers, workloads) for path in args.child]
         Path(args.result).write_text(json.dumps(results))
@@ -380,15 +423,15 @@ def main(argv=None):
         results = [merge_rounds(rounds[path], workloads) for path in PATHS]
     import triton
 
+    from benchmarks.kernels.peers import peer_release
+
     device = "CPU (interpreter)" if args.cpu_smoke else torch.cuda.get_device_name()
-    header = (f"A server's stream: {cfg.passes} passes of {cfg.images[0]}–{cfg.images[1]} images of "
-              f"{cfg.tokens[0]}–{cfg.tokens[1]} tokens (new per pass), {cfg.layers} layers, "
-              f"{cfg.rounds} fresh process(es) per path in turn after a warm-up process, each pass "
-              f"its median over them; full: {cfg.full_heads[0]}/"
-              f"{cfg.full_heads[1]} heads, D {cfg.full_heads[2]}; mimo: {cfg.mimo_heads[0]}/"
-              f"{cfg.mimo_heads[1]} heads, D {cfg.mimo_heads[2]}, window {cfg.window}, key-0 sinks; "
-              f"{cfg.dtype}; {device}, torch {torch.__version__}, triton {triton.__version__}; "
-              f"ms per pass, wall clock, synchronised per pass")
+    shapes = "; ".join(describe_workload(workload_config(cfg, w), w) for w in workloads)
+    header = (f"A server's stream: {cfg.passes} passes (new images per pass), {cfg.rounds} fresh "
+              f"process(es) per path in turn after a warm-up process, each pass its median over "
+              f"them; {shapes}; {device}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"upstream = {peer_release(args.peers)}'s op; ms per pass, wall clock, synchronised "
+              f"per pass")
     md = markdown(results, header, workloads)
     print("\n" + md)
     print(f"[stream] took {time.perf_counter() - t0:.1f} s (warm-up process {warm_s:.1f} s)")

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Fetch the two same-run benchmark peers from the vllm 0.33.0 wheel into DIR (git-ignored: .gpu/peers),
+# Fetch the two same-run benchmark peers from the vllm 0.34.0 wheel into DIR (git-ignored: .gpu/peers),
 # for the GPU machine, which has no vLLM and no network. Nothing fetched may be committed.
 #
 #   bash benchmarks/kernels/fetch_peers.sh .gpu/peers     (~336 MB download; DIR gets ~12 MB)
-#   VLLM_WHEEL=/path/vllm-0.33.0-...whl bash benchmarks/kernels/fetch_peers.sh .gpu/peers   (no download)
+#   VLLM_WHEEL=/path/vllm-0.34.0-...whl bash benchmarks/kernels/fetch_peers.sh .gpu/peers   (no download)
 #
 # DIR/upstream/  vLLM's own prefill op, vllm/v1/attention/ops/triton_prefill_attention.py (the op our
 #                plugin replaces), and vllm/utils/math_utils.py (stdlib only; it gives the op its RCP_LN2).
-#                Its other imports (vllm.platforms.current_platform, vllm.triton_utils.tl/triton) are tiny
-#                shims in benchmarks/kernels/peers.py: upstream_op(DIR).
+#                Its other imports (vllm.platforms.current_platform, vllm.triton_utils.tl/triton, from
+#                0.34 vllm.utils.mem_utils.get_max_shared_memory_bytes, which sizes its tile to shared
+#                memory) are tiny shims in benchmarks/kernels/peers.py: upstream_op(DIR).
 # DIR/fa3/       vLLM's FlashAttention-3 build (_vllm_fa3_C.abi3.so.xz, flash_attn_interface.py), taken
 #                from the same wheel so that one download serves both peers: peers.py: fa3_varlen(DIR).
 # DIR/SOURCE     the wheel's name and sha256, and each extracted file's sha256.
 set -euo pipefail
 OUT=${1:?usage: fetch_peers.sh DIR  (e.g. .gpu/peers)}
-VERSION=0.33.0
+VERSION=${VLLM_VERSION:-0.34.0}  # the newest supported vLLM: the op users compare against
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 if (cd "$repo" && git rev-parse --is-inside-work-tree >/dev/null 2>&1) && [[ "$OUT" == "$repo"/* ]] \

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from benchmarks.kernels.compare_op_variants import load_module  # noqa: E402
 from benchmarks.kernels.inspect_prefill_sass import signature  # noqa: E402
 from benchmarks.kernels.inspect_window_walk import read_compiled  # noqa: E402
-from benchmarks.kernels.tune_full_attention import _tile_name  # noqa: E402
+from vllm_sinks.v1.attention.ops.tune_full_attention import _tile_name  # noqa: E402
 from vllm_sinks.v1.attention.ops import gluon_full_attention as gf  # noqa: E402
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (  # noqa: E402
     SINKS_KEY0_BIAS, SINKS_NONE, SINKS_NULL_LOGIT)

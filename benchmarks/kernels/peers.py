@@ -1,12 +1,12 @@
 """Same-run benchmark peers, loaded from the files ``fetch_peers.sh`` puts in DIR (default ``.gpu/peers``).
 
-Nothing here holds vLLM code: the peers are vLLM's own files, fetched from the vllm 0.33.0 wheel at run
+Nothing here holds vLLM code: the peers are vLLM's own files, fetched from the vllm 0.34.0 wheel at run
 time into a git-ignored folder, and loaded without vLLM installed (the GPU machine has none).
 
 - :func:`upstream_op` — vLLM's ``context_attention_fwd`` (``vllm/v1/attention/ops/
   triton_prefill_attention.py``), the op our plugin replaces. Same signature as ours. The file imports
-  ``vllm.platforms.current_platform``, ``vllm.triton_utils.{tl, triton}`` and
-  ``vllm.utils.math_utils.RCP_LN2``: those come from a minimal shim that sits in ``sys.modules`` under
+  ``vllm.platforms.current_platform``, ``vllm.triton_utils.{tl, triton}``,
+  ``vllm.utils.math_utils.RCP_LN2`` and (from 0.34) ``vllm.utils.mem_utils.get_max_shared_memory_bytes``: those come from a minimal shim that sits in ``sys.modules`` under
   the ``vllm.*`` names only while the file executes (any real ``vllm`` modules are put back after);
   the module itself is registered under a private name. ``math_utils`` is vLLM's own file (stdlib
   only) when it was fetched. Works on a GPU and in Triton's interpreter (``TRITON_INTERPRET=1``, set
@@ -58,6 +58,17 @@ def _why_not(peer: str, reason: str) -> None:
     print(f"[peers] {peer}: not available: {reason}", flush=True)
 
 
+def peer_release(dir=None) -> str:
+    """Which vLLM's files the peers are ("vLLM 0.34.0"), read from ``SOURCE``; "unknown" without it.
+    The tables and the stream rows name it: upstream's op changes between releases (0.34's tile
+    shrinks to fit shared memory)."""
+    source = _dir(dir) / "SOURCE"
+    first = source.read_text().split() if source.is_file() else []
+    if len(first) >= 2 and first[0] == "wheel" and first[1].startswith("vllm-"):
+        return f"vLLM {first[1].split('-')[1]}"
+    return "unknown"
+
+
 # ---- vLLM's prefill op -------------------------------------------------------------------------------
 
 class _ShimPlatform:
@@ -65,6 +76,12 @@ class _ShimPlatform:
 
     def is_rocm(self) -> bool:
         return False  # a True here would make the op import vllm.platforms.rocm, which is not shimmed
+
+    def is_cuda(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is None
+
+    def is_xpu(self) -> bool:
+        return False
 
     def is_cuda_alike(self) -> bool:
         return torch.cuda.is_available()
@@ -75,6 +92,11 @@ class _ShimPlatform:
         major, minor = torch.cuda.get_device_capability(device_id)
         want = capability[0] * 10 + capability[1] if isinstance(capability, tuple) else int(capability)
         return major * 10 + minor >= want
+
+
+def _max_shared_memory_bytes(gpu: int = 0) -> int:
+    """The opt-in shared memory a block may take on ``gpu`` (what vLLM's ``mem_utils`` asks CUDA)."""
+    return int(torch.cuda.get_device_properties(gpu).shared_memory_per_block_optin)
 
 
 def _module(name: str, **attrs) -> types.ModuleType:
@@ -108,11 +130,13 @@ def _shim_modules(d: Path) -> dict[str, types.ModuleType]:
     vllm.__path__ = []  # a package, so ``import vllm.x`` looks for submodules (in sys.modules only)
     platforms = _module("vllm.platforms", current_platform=_ShimPlatform())
     triton_utils = _module("vllm.triton_utils", triton=triton, tl=tl)
-    utils = _module("vllm.utils", math_utils=math_utils)
+    mem_utils = _module("vllm.utils.mem_utils", get_max_shared_memory_bytes=_max_shared_memory_bytes)
+    utils = _module("vllm.utils", math_utils=math_utils, mem_utils=mem_utils)
     utils.__path__ = []
     vllm.platforms, vllm.triton_utils, vllm.utils = platforms, triton_utils, utils
     return {"vllm": vllm, "vllm.platforms": platforms, "vllm.triton_utils": triton_utils,
-            "vllm.utils": utils, "vllm.utils.math_utils": math_utils}
+            "vllm.utils": utils, "vllm.utils.math_utils": math_utils,
+            "vllm.utils.mem_utils": mem_utils}
 
 
 @functools.lru_cache(maxsize=None)

@@ -187,7 +187,7 @@ def test_every_tile_a_table_may_name_matches_reference(head_dim, is_causal, cand
     """A shipped table may name any of the tune's candidates for a group (``tiles``), and the front
     door then runs every call of that group with it: each is checked here, whichever the tables
     chose on this machine (with sinks under causality: the other sink path)."""
-    from benchmarks.kernels.tune_full_attention import tile_candidates
+    from vllm_sinks.v1.attention.ops.tune_full_attention import tile_candidates
 
     candidates = tile_candidates(head_dim, is_causal)
     assert len(candidates) == 7, "parametrize over every candidate"

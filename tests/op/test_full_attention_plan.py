@@ -62,7 +62,7 @@ def test_off_hopper_it_takes_nothing():
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_every_tile_the_tune_times_is_one_the_table_and_the_plan_take(on_hopper, head_dim, is_causal):
     """A candidate the plan refused would cost the tune its time and warn on every table naming it."""
-    from benchmarks.kernels import tune_full_attention as tune
+    from vllm_sinks.v1.attention.ops import tune_full_attention as tune
     from vllm_sinks.v1.attention.ops import full_attention_table as fat
 
     candidates = tune.tile_candidates(head_dim, is_causal)

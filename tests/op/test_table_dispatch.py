@@ -151,7 +151,7 @@ def test_a_stream_of_new_lengths_reads_the_table_once_per_class(upstream, monkey
         _run(case, n)
         check_tolerance(case)
     assert calls == [] and len(loads) == 1
-    assert {key[1] for key in fat._DECISIONS} == {6, 7}
+    assert {b for r in fat._ROUTES.values() for b in r.decided} == {6, 7}
 
 
 def test_another_table_source_is_read_by_plans_made_before(upstream):

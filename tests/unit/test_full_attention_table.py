@@ -65,7 +65,8 @@ def test_a_class_between_agreeing_neighbours_takes_their_verdict():
     assert t.decide(cls(8)) is True and t.decide(cls(9)) is True  # between 7 and 10: both ours
     assert t.decide(cls(11)) is None  # between ours (10) and upstream (12)
     assert t.decide(cls(13)) is False  # between two upstream verdicts
-    assert t.decide(cls(6)) is None and t.decide(cls(15)) is None  # beyond the measured range
+    assert t.decide(cls(6)) is None  # below the measured range: host-bound calls, not extrapolated
+    assert t.decide(cls(15)) is None  # past the top: upstream's verdict there does not carry over
 
 
 def test_neighbours_along_heads_and_gqa_ratio():
@@ -73,8 +74,26 @@ def test_neighbours_along_heads_and_gqa_ratio():
               entry(10, 1.2, qpk=8, hb=4))
     assert t.decide(cls(10, hb=3)) is True  # between head buckets 2 and 4
     assert t.decide(cls(10, qpk=4)) is True  # between ratios 1 and 8
-    assert t.decide(cls(10, hb=6)) is None  # no measured bucket above
+    assert t.decide(cls(10, hb=6)) is True  # past the last measured bucket, next to a clear win
     assert t.decide(cls(10, hb=3, qpk=4)) is None  # two coordinates off: no neighbour agrees on the rest
+
+
+def test_past_the_measured_range_only_a_clear_win_of_ours_carries_over():
+    t = table(entry(10, 1.3, hb=4), entry(12, 1.2), entry(13, 1.3), entry(10, 0.9, hb=2, head_dim=64))
+    assert t.decide(cls(10, hb=5)) is True  # 25 heads past 16: ours by 1.3 there
+    assert t.decide(cls(14)) is True  # 16k past 8k: ours by 1.3
+    t = table(entry(10, 1.2, hb=4), entry(10, 0.9, hb=2))
+    assert t.decide(cls(10, hb=5)) is None  # ours by less than EDGE_RATIO
+    assert t.decide(cls(10, hb=1)) is None  # upstream's verdict does not carry over: it is the fallback
+
+
+def test_a_head_dim_not_measured_takes_its_measured_neighbours_verdict_where_they_agree():
+    t = table(entry(10, 1.5, head_dim=96), entry(10, 1.4, head_dim=112), entry(11, 1.4, head_dim=96),
+              entry(11, 0.9, head_dim=112), entry(10, 1.5, head_dim=96, dtype="float16"))
+    assert t.decide(cls(10, head_dim=100)) is True
+    assert t.decide(cls(11, head_dim=100)) is None  # the neighbours disagree
+    assert t.decide(cls(10, head_dim=120)) is None  # nothing measured above
+    assert t.decide(cls(10, head_dim=100, dtype="float16")) is None  # no neighbour above in fp16
 
 
 def test_axes_that_disagree_leave_the_class_undecided():
@@ -158,7 +177,9 @@ def write(directory, doc, gpu=H200):
     (directory / fat.table_name(*gpu)).write_text(json.dumps(doc))
 
 
-PREFIX = fat.route_prefix(torch.device("cpu"), 80, torch.bfloat16, False, 16, 16)
+def ours_faster(max_len, head_dim=80, q_heads=16, kv_heads=16):
+    return fat.route(torch.device("cpu"), head_dim, torch.bfloat16, False, q_heads,
+                     kv_heads).ours(max_len)
 
 
 def test_lookup_reads_this_devices_table_once_and_caches_each_class(on_h200, monkeypatch):
@@ -166,28 +187,67 @@ def test_lookup_reads_this_devices_table_once_and_caches_each_class(on_h200, mon
     write(directory, good_document())
     real, loads = fat.load_table, []
     monkeypatch.setattr(fat, "load_table", lambda path: loads.append(path) or real(path))
-    assert fat.ours_faster(PREFIX, 1000) is True  # bucket 10
-    assert fat.ours_faster(PREFIX, 600) is True  # bucket 10 too
-    assert fat.ours_faster(PREFIX, 2000) is False  # bucket 11
-    assert fat.ours_faster(PREFIX, 5000) is False  # bucket 13: beyond what was measured
-    assert len(loads) == 1 and len(fat._DECISIONS) == 3
+    assert ours_faster(1000) is True  # bucket 10
+    assert ours_faster(600) is True  # bucket 10 too
+    assert ours_faster(2000) is False  # bucket 11
+    assert ours_faster(5000) is False  # bucket 13: beyond what was measured
+    assert len(loads) == 1 and len(fat._ROUTES) == 1
+    assert fat._ROUTES[next(iter(fat._ROUTES))].decided == {10: True, 11: False, 13: False}
 
 
-@pytest.mark.parametrize("identity", [("NVIDIA H100 80GB HBM3", (9, 0), "3.8.0"),
+@pytest.mark.parametrize("identity", [("NVIDIA A100-SXM4-80GB", (8, 0), "3.8.0"),
                                       ("NVIDIA H200", (9, 0), "3.9.0"),
-                                      None])  # another GPU, another Triton, not a CUDA device
+                                      None])  # another architecture, another Triton, not CUDA
 def test_no_table_for_this_device_falls_back_to_upstream(on_h200, identity):
     directory, current = on_h200
     write(directory, good_document())
     current["value"] = identity
-    assert fat.ours_faster(PREFIX, 1000) is False
+    assert ours_faster(1000) is False
+    assert fat.find_table(identity) is None
+
+
+def test_another_gpu_of_the_architecture_takes_its_table_as_the_default(on_h200):
+    """An H100 (or H20, H800, GH200: sm_90) with no table of its own reads the H200's under its
+    Triton release; its own table, where one is there, comes first."""
+    directory, current = on_h200
+    write(directory, good_document())
+    h100 = ("NVIDIA H100 80GB HBM3", (9, 0), "3.8.0")
+    current["value"] = h100
+    assert ours_faster(1000) is True
+    found = fat.find_table(h100)
+    assert found.kind == fat.ARCHITECTURE_DEFAULT and found.table.gpu == "NVIDIA H200"
+    assert "measured on NVIDIA H200" in found.describe()
+    write(directory, fat.table_document(*h100, [entry(10, 0.9)]), gpu=h100)
+    fat.use_table_dir(directory)
+    assert ours_faster(1000) is False
+    assert fat.find_table(h100).kind == fat.GIVEN
+
+
+def test_the_users_tuned_table_comes_before_the_shipped_one(monkeypatch, tmp_path):
+    cache, shipped = tmp_path / "cache", tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setattr(fat, "SHIPPED_DIR", shipped)
+    assert fat.user_table_dir() == cache / "vllm-sinks" / "tables"
+    write(shipped, good_document())
+    fat.use_table_dir()
+    try:
+        assert fat.find_table(H200).kind == fat.SHIPPED
+        fat.user_table_dir().mkdir(parents=True)
+        write(fat.user_table_dir(), fat.table_document(*H200, [entry(10, 0.9)]))
+        found = fat.find_table(H200)
+        assert found.kind == fat.USER_TUNED and found.table.decide(cls(10)) is False
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        assert fat.user_table_dir() == fat.Path.home() / ".cache" / "vllm-sinks" / "tables"
+    finally:
+        fat.use_table_dir()
 
 
 def test_no_tables_at_all_falls_back_to_upstream(on_h200):
     directory, _ = on_h200
     write(directory, good_document())
     fat.use_table_dir(None)
-    assert fat.ours_faster(PREFIX, 1000) is False
+    assert ours_faster(1000) is False
 
 
 @pytest.mark.parametrize("content", ["{ not json", json.dumps({"format": "other"}),
@@ -197,11 +257,11 @@ def test_a_malformed_table_warns_once_and_falls_back(on_h200, content):
     directory, _ = on_h200
     (directory / fat.table_name(*H200)).write_text(content)
     with pytest.warns(UserWarning, match="full-attention table ignored"):
-        assert fat.ours_faster(PREFIX, 1000) is False
+        assert ours_faster(1000) is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert fat.ours_faster(PREFIX, 1000) is False
-        assert fat.ours_faster(PREFIX, 100) is False  # another class: the table is not read again
+        assert ours_faster(1000) is False
+        assert ours_faster(100, q_heads=4, kv_heads=4) is False  # another class: not read again
 
 
 # ---- the tile a table chose per group ---------------------------------------------------------------
@@ -246,16 +306,20 @@ def test_a_malformed_tile_says_what_is_wrong(edit, match):
         fat.parse_table(doc, "t.json")
 
 
-def test_tile_of_reads_the_devices_table(on_h200):
+def test_the_route_reads_the_tile_of_the_devices_table(on_h200):
     directory, current = on_h200
     write(directory, tiled_document(CAPPED))
     cpu = torch.device("cpu")
-    assert fat.tile_of(cpu, 80, torch.bfloat16, False) == CAPPED
-    assert fat.tile_of(cpu, 80, torch.bfloat16, True) is None  # another group: the default tile
-    assert fat.tile_of(cpu, 64, torch.float16, False) is None
+
+    def tile_of(head_dim, dtype, causal):
+        return fat.route(cpu, head_dim, dtype, causal, 16, 16).tile
+
+    assert tile_of(80, torch.bfloat16, False) == CAPPED
+    assert tile_of(80, torch.bfloat16, True) is None  # another group: the default tile
+    assert tile_of(64, torch.float16, False) is None
     current["value"] = ("NVIDIA H200", (9, 0), "3.9.0")  # no table for that Triton
     fat.use_table_dir(directory)
-    assert fat.tile_of(cpu, 80, torch.bfloat16, False) is None
+    assert tile_of(80, torch.bfloat16, False) is None
 
 
 class _FakeFullLaunch:
@@ -288,18 +352,22 @@ def test_the_front_door_plans_the_tables_tile_and_falls_back_once_when_refused(o
     directory, _ = on_h200
     p, args = _problem()
     fake = _FakeFullLaunch()
-    assert op._full_launch(fake, p, *args) == ("launch", None)  # no table: the default tile
+
+    def tile():
+        return fat.route(p.device, p.head_dim, p.dtype, p.is_causal, p.q_heads, p.kv_heads).tile
+
+    assert op._full_launch(fake, p, *args, tile()) == ("launch", None)  # no table: the default
     write(directory, tiled_document(CAPPED))
     fat.use_table_dir(directory)
-    assert op._full_launch(fake, p, *args) == ("launch", TileConfig(**CAPPED))
+    assert op._full_launch(fake, p, *args, tile()) == ("launch", TileConfig(**CAPPED))
     refusing = _FakeFullLaunch(refuse=lambda tile: True)
     op._REFUSED_TILES.clear()
     try:
         with pytest.warns(UserWarning, match="tile .* is refused"):
-            assert op._full_launch(refusing, p, *args) == ("launch", None)
+            assert op._full_launch(refusing, p, *args, tile()) == ("launch", None)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # refused once: not asked again, not warned again
-            assert op._full_launch(refusing, p, *args) == ("launch", None)
+            assert op._full_launch(refusing, p, *args, tile()) == ("launch", None)
         assert refusing.asked == [TileConfig(**CAPPED), None, None]
     finally:
         op._REFUSED_TILES.clear()

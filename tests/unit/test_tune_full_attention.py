@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from benchmarks.kernels import tune_full_attention as tune
+from vllm_sinks.v1.attention.ops import tune_full_attention as tune
 from vllm_sinks.v1.attention.ops import full_attention_table as fat
 
 
@@ -44,11 +44,11 @@ def test_a_dry_run_writes_a_table_the_lookup_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(fat, "device_identity", lambda device: (gpu, cap, triton.__version__))
     fat.use_table_dir(tables)
     try:
-        prefix = fat.route_prefix(torch.device("cpu"), d, tune.DTYPES[dtype], causal, hq, hkv)
-        assert fat.ours_faster(prefix, 100) is True  # bucket 7: between two ours verdicts
-        assert fat.ours_faster(prefix, 400) is False  # bucket 9: between ours and upstream
-        assert fat.ours_faster(prefix, 3000) is False  # bucket 12, measured
-        assert fat.ours_faster(prefix, 10000) is False  # beyond the grid
+        route = fat.route(torch.device("cpu"), d, tune.DTYPES[dtype], causal, hq, hkv)
+        assert route.ours(100) is True  # bucket 7: between two ours verdicts
+        assert route.ours(400) is False  # bucket 9: between ours and upstream
+        assert route.ours(3000) is False  # bucket 12, measured
+        assert route.ours(10000) is False  # beyond the grid
     finally:
         fat.use_table_dir()
 
@@ -135,3 +135,68 @@ def test_code_beside_a_docstring_is_code():
     assert tune._code_of('def f():\n    \"\"\"a × b.\"\"\"; return 1\n') == 'def f():\n    ; return 1'
     assert tune._code_of('def f():\n    \"\"\"a ×\n    b.\"\"\"; return 2  # ×\n') == \
         'def f():\n    ; return 2'
+
+
+# ---- `vllm-sinks tune` and `vllm-sinks report`: refusals and the table in force -----------------------
+
+def test_the_tune_refuses_without_a_gpu(monkeypatch, capsys):
+    from vllm_sinks.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="vllm-sinks tune: no CUDA GPU visible"):
+        main(["tune"])
+
+
+def test_the_tune_refuses_a_triton_the_kernels_were_not_tested_under(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    with pytest.raises(SystemExit, match=r"Triton 3\.5\.1 is not one the kernels were tested under"):
+        tune.main([])
+
+
+def test_the_tune_refuses_when_upstreams_op_does_not_load(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton, "__version__", "3.8.0")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(tune, "installed_upstream", lambda: (None, "ModuleNotFoundError: vllm"))
+    with pytest.raises(SystemExit, match="upstream's op did not load"):
+        tune.main(["--tables-dir", str(tmp_path)])
+
+
+def test_the_tune_writes_to_the_users_cache_unless_told(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tune.destination(None, None) == tmp_path / "vllm-sinks" / "tables"
+    assert tune.destination(None, fat.SHIPPED_DIR) == fat.SHIPPED_DIR  # the benchmark's default
+    assert tune.destination(str(tmp_path / "x"), fat.SHIPPED_DIR) == tmp_path / "x"
+
+
+@pytest.mark.parametrize("own, kind", [(False, "architecture default"), (True, "user-tuned")])
+def test_report_names_the_table_in_force_on_each_gpu(monkeypatch, tmp_path, own, kind):
+    h100 = ("NVIDIA H100 80GB HBM3", (9, 0), "3.8.0")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(fat, "device_identity", lambda device: h100)
+    fat.use_table_dir()
+    try:
+        if own:
+            fat.user_table_dir().mkdir(parents=True)
+            doc = fat.table_document(*h100, [dict(head_dim=80, dtype="bfloat16", causal=False,
+                                                  queries_per_kv=1, heads_bucket=4,
+                                                  length_bucket=10, ratio=1.2)])
+            (fat.user_table_dir() / fat.table_name(*h100)).write_text(json.dumps(doc))
+        line, = fat.tables_in_force()
+    finally:
+        fat.use_table_dir()
+    assert line.startswith("GPU 0 NVIDIA H100 80GB HBM3 sm_90, Triton 3.8.0: " + kind)
+    if not own:
+        assert "nvidia-h200_sm90_triton-3.8.json, measured on NVIDIA H200" in line
+
+
+def test_report_says_none_where_no_table_fits(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(fat, "device_identity", lambda device: ("NVIDIA A100", (8, 0), "3.8.0"))
+    line, = fat.tables_in_force()
+    assert "none: upstream's op takes every full-attention call" in line

@@ -32,4 +32,14 @@ def format_report(info: VllmInfo | None = None) -> str:
         if patch.modules:
             lines.append(f"{'':<{width}}  {'':<{status_width}}  {'':<{env_width}}"
                          f"  target modules: {', '.join(patch.modules)}")
+    lines += ["", "full-attention table in force (prefill-op: ours or upstream's op, per call class):"]
+    lines += [f"  {line}" for line in _tables_in_force()]
     return "\n".join(lines)
+
+
+def _tables_in_force() -> list[str]:
+    try:
+        from vllm_sinks.v1.attention.ops.full_attention_table import tables_in_force
+    except ImportError as e:  # no torch: no op
+        return [f"none ({type(e).__name__}: {e})"]
+    return tables_in_force()

@@ -13,16 +13,26 @@ same for the host bound on the longest sequence (``max_input_len``), at least ``
 (every bound up to 64 is one bucket). A call whose bound is a device tensor has no host length:
 upstream's op takes it (what vLLM without the plugin runs).
 
-Lookup (``Table.decide``) of a class on the device's table:
+The table in force on a device (``find_table``): one the user tuned on this GPU (``vllm-sinks
+tune``, in ``user_table_dir``), else one shipped for this GPU, else the architecture default: a
+table of another GPU of the same compute capability under the same Triton release (an H100, H20,
+H800 or GH200 reads the H200's sm_90 table). The front door looks each call class up once
+(``route``: the tile and the verdicts of the class, per length bucket).
+
+Lookup (``Table.decide``) of a class on that table:
 
 1. measured: its verdict;
 2. not measured, in a measured (head dim, dtype, causal) group: along each axis (length bucket,
    query-head bucket, queries per KV head) the nearest measured classes below and above that
-   agree with it on the other two; an axis with both votes their verdict where they agree. The
-   class takes a verdict only where at least one axis votes and no axis (or pair) disagrees;
-3. anything else — another head dim or dtype, a class beyond the measured range on every axis,
-   neighbours that disagree, no table for this GPU / Triton, a table that does not parse — is
-   the fallback: upstream's op, which is never slower than vLLM without the plugin.
+   agree with it on the other two; an axis with both votes their verdict where they agree; an
+   axis with only one below (the class is past the top of the grid: more heads, longer) votes
+   ours where that one is ours by ``EDGE_RATIO``. The class takes a verdict only where at least
+   one axis votes and no axis (or pair) disagrees;
+3. a head dim the table did not measure: the verdicts of the nearest measured head dims of its
+   dtype and causality on each side, where they agree;
+4. anything else — another dtype, neighbours that disagree, no table for this architecture /
+   Triton, a table that does not parse — is the fallback: upstream's op, which is never slower
+   than vLLM without the plugin.
 
 Each entry holds the measured ratio (upstream's time / ours, the worst of the class's variants; 0
 where ours failed) and the verdict it implies: "ours" only where ours took at most ``MARGIN`` of upstream's time on
@@ -37,8 +47,8 @@ table's Triton and keeps the fastest, so a choice that depends on the compiler (
 spills) is measured per release rather than fixed in code. The front door passes it to the
 Hopper kernel's plan for every call of the group; a group without one runs the default tile.
 
-The table read may be pointed elsewhere (``use_table_dir``: the tune script's fresh table, the
-stream benchmark's fallback run, tests); this module imports torch only.
+The table read may be pointed elsewhere (``use_table_dir``: the tune's fresh table, the stream
+benchmark's fallback run, tests); this module imports torch only.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import warnings
 from pathlib import Path
@@ -62,6 +73,10 @@ MARGIN = 0.93
 MIN_LENGTH_BUCKET = 6
 #: Where the package's tables are (package data: pyproject.toml ships ``tables/*.json``).
 SHIPPED_DIR = Path(__file__).resolve().with_name("tables")
+#: A class past the top of the measured range on an axis (more heads, longer sequences, more queries
+#: per KV head: more work per call) takes ours only where its neighbour below is ours by at least
+#: this ratio: the margin of a measured class is what rounds of timing resolve; past it asks for more.
+EDGE_RATIO = 1.25
 VERDICTS = ("ours", "upstream")
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -143,24 +158,42 @@ class Table:
         hit = self.entries.get(c)
         if hit is not None:
             return hit[0]
+        if not any(other.group == c.group for other in self.entries):
+            return self._between_head_dims(c)
         votes = set()
         coords = c.coordinates
         for axis in range(len(coords)):
-            below = above = None  # (distance, verdict) of the nearest measured class each side
-            for other, (ours, _) in self.entries.items():
+            below = above = None  # (distance, verdict, ratio) of the nearest measured class each side
+            for other, (ours, ratio) in self.entries.items():
                 oc = other.coordinates
                 if other.group != c.group or any(oc[i] != coords[i] for i in range(3) if i != axis):
                     continue
                 step = oc[axis] - coords[axis]
                 if step > 0 and (above is None or step < above[0]):
-                    above = (step, ours)
+                    above = (step, ours, ratio)
                 elif step < 0 and (below is None or -step < below[0]):
-                    below = (-step, ours)
+                    below = (-step, ours, ratio)
             if below is not None and above is not None:
                 votes.add(below[1] if below[1] == above[1] else None)
+            elif below is not None:
+                # past the top of the measured range on this axis (25 heads past 16, 32k tokens
+                # past 16k: more work per call): only a clear win of ours next to it votes
+                if below[1] and below[2] >= EDGE_RATIO:
+                    votes.add(True)
         if len(votes) != 1 or None in votes:
             return None
         return votes.pop()
+
+    def _between_head_dims(self, c: ShapeClass) -> bool | None:
+        """A head dim the table did not measure (100 between 96 and 112): the verdict of the nearest
+        measured head dims of its dtype and causality on each side, where both give the same one."""
+        dims = sorted({o.head_dim for o in self.entries if (o.dtype, o.causal) == (c.dtype, c.causal)})
+        below = [d for d in dims if d < c.head_dim]
+        above = [d for d in dims if d > c.head_dim]
+        if not below or not above:
+            return None
+        verdicts = {self.decide(dataclasses.replace(c, head_dim=d)) for d in (below[-1], above[0])}
+        return verdicts.pop() if len(verdicts) == 1 else None
 
 
 def _need(cond: bool, source: str, what: str) -> None:
@@ -288,20 +321,42 @@ def table_document(gpu: str, capability: tuple[int, int], triton_version: str, e
 
 # ---- the process-wide lookup the front door makes -------------------------------------------------
 
-_DIR: list = [SHIPPED_DIR]  # where tables are read from (None: nowhere, every class falls back)
-_TABLES: dict = {}  # (device type, index) -> Table or None (no table, or one that did not parse)
-_DECISIONS: dict = {}  # (class prefix with its device, length bucket) -> ours faster
+#: Which table a device reads, in this order: one tuned on this GPU by ``vllm-sinks tune`` (the user's
+#: cache), one shipped for this GPU, then the architecture default: a table of another GPU of the
+#: same compute capability and Triton release (an H100, H20, H800 or GH200 takes the H200's sm_90
+#: verdicts; sorted by name where several ship). None of them: upstream's op.
+USER_TUNED, SHIPPED, ARCHITECTURE_DEFAULT, GIVEN = ("user-tuned", "shipped", "architecture default",
+                                                    "given")
 
 
+def user_table_dir() -> Path:
+    """Where ``vllm-sinks tune`` writes and the op looks first: ``$XDG_CACHE_HOME/vllm-sinks/tables``
+    (``~/.cache/vllm-sinks/tables`` where it is unset), as vLLM's tuned configs sit per user."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vllm-sinks" / "tables"
+
+
+def _default_sources() -> list:
+    return [(USER_TUNED, user_table_dir()), (SHIPPED, SHIPPED_DIR)]
+
+
+_SOURCES: list = _default_sources()  # [(kind, directory)] searched in order (``use_table_dir``)
+_TABLES: dict = {}  # (device type, index) -> InForce or None (no table, or one that did not parse)
+_ROUTES: dict = {}  # (device, head dim, dtype, causal, q heads, kv heads) -> Route
 _FORGET: list = []  # callables that drop verdicts kept elsewhere (the front door's plans)
+_DEFAULT = object()
 
 
-def use_table_dir(directory: str | Path | None = SHIPPED_DIR) -> None:
-    """Read tables from ``directory`` from now on (None: none at all, every class falls back to
-    upstream's op); forgets the tables and decisions read so far, here and in the front door."""
-    _DIR[:] = [None if directory is None else Path(directory)]
+def use_table_dir(directory=_DEFAULT) -> None:
+    """Read tables from ``directory`` alone from now on (None: none at all, every class falls back
+    to upstream's op; no argument: the user's cache, then the shipped ones); forgets the tables and
+    routes read so far, here and in the front door."""
+    if directory is _DEFAULT:
+        _SOURCES[:] = _default_sources()
+    else:
+        _SOURCES[:] = [] if directory is None else [(GIVEN, Path(directory))]
     _TABLES.clear()
-    _DECISIONS.clear()
+    _ROUTES.clear()
     for forget in _FORGET:
         forget()
 
@@ -318,59 +373,125 @@ def device_identity(device: tuple[str, int | None]) -> tuple[str, tuple[int, int
             triton.__version__)
 
 
-def _table_for(device: tuple) -> Table | None:
+@dataclasses.dataclass(frozen=True)
+class InForce:
+    """The table a device reads, and why that one (``USER_TUNED``, ``SHIPPED``,
+    ``ARCHITECTURE_DEFAULT`` or ``GIVEN``)."""
+
+    kind: str
+    path: Path
+    table: Table
+
+    def describe(self) -> str:
+        where = f"{self.path}" if self.kind != ARCHITECTURE_DEFAULT else (
+            f"{self.path.name}, measured on {self.table.gpu}")
+        return f"{self.kind} table ({where})"
+
+
+def _read(path: Path, name: str, cap: tuple, version: str, same_gpu: bool) -> Table | None:
+    """The table at ``path`` where it holds this device's measurements; a file that does not parse
+    or was measured elsewhere warns and reads as none."""
+    try:
+        table = load_table(path)
+        _need(table.capability == tuple(cap) and table.triton == triton_release(version)
+              and (not same_gpu or gpu_slug(table.gpu) == gpu_slug(name)), str(path),
+              f"measured on {table.gpu} sm_{table.capability[0]}{table.capability[1]} "
+              f"under Triton {table.triton}, not on this device")
+        return table
+    except TableError as e:
+        warnings.warn(f"vllm-sinks: full-attention table ignored, upstream's op takes the calls "
+                      f"it may take on this device: {e}", stacklevel=5)
+        return None
+
+
+def find_table(identity: tuple | None) -> InForce | None:
+    """The table a device of this identity (``device_identity``) reads: its own, in the order of the
+    sources, else the architecture default; None: upstream's op takes every call it may take."""
+    if identity is None:
+        return None
+    name, cap, version = identity
+    own = table_name(name, cap, version)
+    for kind, directory in _SOURCES:
+        path = directory / own
+        if path.is_file():
+            table = _read(path, name, cap, version, same_gpu=True)
+            return None if table is None else InForce(kind, path, table)
+    suffix = own[own.index("_sm"):]  # _sm90_triton-3.8.json: any GPU of this architecture
+    for _, directory in _SOURCES:
+        for path in sorted(directory.glob(f"*{suffix}")) if directory.is_dir() else ():
+            table = _read(path, name, cap, version, same_gpu=False)
+            if table is not None:
+                return InForce(ARCHITECTURE_DEFAULT, path, table)
+    return None
+
+
+def _in_force(device: tuple) -> InForce | None:
     if device not in _TABLES:
-        _TABLES[device] = None
-        directory, identity = _DIR[0], device_identity(device)
-        if directory is not None and identity is not None:
-            name, cap, version = identity
-            path = directory / table_name(name, cap, version)
-            if path.is_file():
-                try:
-                    table = load_table(path)
-                    _need(gpu_slug(table.gpu) == gpu_slug(name) and table.capability == tuple(cap)
-                          and table.triton == triton_release(version), str(path),
-                          f"measured on {table.gpu} sm_{table.capability[0]}{table.capability[1]} "
-                          f"under Triton {table.triton}, not on this device")
-                    _TABLES[device] = table
-                except TableError as e:
-                    warnings.warn(f"vllm-sinks: full-attention table ignored, upstream's op takes "
-                                  f"the calls it may take on this device: {e}", stacklevel=4)
+        _TABLES[device] = None  # a failure below is not retried per call
+        _TABLES[device] = find_table(device_identity(device))
     return _TABLES[device]
 
 
-def route_prefix(device: torch.device, head_dim: int, dtype: torch.dtype, causal: bool, q_heads: int,
-                 kv_heads: int) -> tuple:
-    """What of a call's class is fixed by its call signature (all but the length), with its device:
-    the front door works it out once per plan and passes it to ``ours_faster`` with each call's
-    bound."""
+class Route:
+    """What the device's table says of one call class but its length, looked up once per class:
+    the tile ours runs there (None: the kernel's default), and per length bucket whether ours
+    runs the call (``ours``) or upstream's op does."""
+
+    __slots__ = ("fields", "table", "tile", "_ours")
+
+    def __init__(self, fields: tuple, in_force: InForce | None):
+        self.fields = fields  # ShapeClass's fields but the length bucket
+        self.table = None if in_force is None else in_force.table
+        self.tile = None if self.table is None else self.table.tiles.get(fields[:3])
+        self._ours: dict = {}  # length bucket -> verdict
+
+    def ours(self, max_len: int) -> bool:
+        """Whether ours runs a call of this class with this host length bound."""
+        bucket = length_bucket(max_len)
+        verdict = self._ours.get(bucket)
+        if verdict is None:
+            verdict = self._ours[bucket] = bool(
+                self.table is not None and self.table.decide(ShapeClass(*self.fields, bucket)))
+        return verdict
+
+    @property
+    def decided(self) -> dict:
+        """{length bucket: ours} of the calls routed so far (the stream benchmark counts them)."""
+        return dict(self._ours)
+
+
+def route(device: torch.device, head_dim: int, dtype: torch.dtype, causal: bool, q_heads: int,
+          kv_heads: int) -> Route:
+    """The one lookup of a call class (all of it but the length): its tile and its verdicts, from
+    the table in force on its device (``find_table``), kept per class."""
     index = device.index
     if device.type == "cuda" and index is None:
         index = torch.cuda.current_device()
-    return ((device.type, index), head_dim, DTYPE_NAMES.get(dtype, str(dtype)), bool(causal),
-            q_heads // kv_heads, heads_bucket(q_heads))
+    key = ((device.type, index), head_dim, dtype, bool(causal), q_heads, kv_heads)
+    found = _ROUTES.get(key)
+    if found is None:
+        fields = (head_dim, DTYPE_NAMES.get(dtype, str(dtype)), bool(causal), q_heads // kv_heads,
+                  heads_bucket(q_heads))
+        found = _ROUTES[key] = Route(fields, _in_force((device.type, index)))
+    return found
 
 
-def ours_faster(prefix: tuple, max_len: int) -> bool:
-    """Whether ours runs a call of this class prefix (``route_prefix``) and host length bound; one
-    dict lookup once its class was decided in this process."""
-    key = (prefix, length_bucket(max_len))
-    verdict = _DECISIONS.get(key)
-    if verdict is None:
-        device, *fields = prefix
-        table = _table_for(device)
-        verdict = bool(table is not None and table.decide(ShapeClass(*fields, key[1])))
-        _DECISIONS[key] = verdict
-    return verdict
-
-
-def tile_of(device: torch.device, head_dim: int, dtype: torch.dtype, causal: bool) -> dict | None:
-    """The tile the device's table chose for this (head dim, dtype, causality), as
-    ``TileConfig``'s keyword arguments; None where it chose none (the kernel's default tile)."""
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    table = _table_for((device.type, index))
-    if table is None:
-        return None
-    return table.tiles.get((head_dim, DTYPE_NAMES.get(dtype, str(dtype)), bool(causal)))
+def tables_in_force() -> list[str]:
+    """One line per visible CUDA GPU: which table its full-attention calls read (``vllm-sinks
+    report``): user-tuned, shipped, architecture default, or none (upstream's op)."""
+    if not torch.cuda.is_available():
+        return ["no CUDA GPU visible: no full-attention table in force (the choice is CUDA's only)"]
+    try:
+        import triton
+    except ImportError as e:
+        return [f"Triton does not import ({e}): no full-attention table in force"]
+    lines = []
+    for index in range(torch.cuda.device_count()):
+        identity = device_identity(("cuda", index))
+        name, (major, minor), version = identity
+        found = find_table(identity)
+        what = found.describe() if found is not None else (
+            "none: upstream's op takes every full-attention call it may take "
+            "(`vllm-sinks tune` writes a table for this GPU)")
+        lines.append(f"GPU {index} {name} sm_{major}{minor}, Triton {version}: {what}")
+    return lines

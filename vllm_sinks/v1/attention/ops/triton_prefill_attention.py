@@ -51,17 +51,23 @@ Each kernel's ``plan`` says whether it takes a call; the first that does, in thi
 3. ``prefill_attention_portable.PortableLaunch`` — the portable Triton kernel: every call (and
    the fallback of a Hopper variant that fails to compile).
 
-Where the prefill-op patch registered upstream vLLM's own op (``use_upstream_op``), a call it may
-take (``upstream_may_take``: full attention, no sink, output in the input dtype) goes to it unless
-the shipped table (``full_attention_table``: measured per GPU and Triton release, looked up by
-shape class and length bucket) says ours is faster there; a call with a device-tensor bound, or of
-a class the table cannot decide, goes to upstream's op (never slower than vLLM without the
-plugin). Such a call runs upstream's function as it is, after our cached lookup. Nothing is timed
-or synchronised on the request path.
+A call's class (device, head dim, dtype, causality, heads: ``full_attention_table.route``) is
+looked up once in the table in force on its device (one tuned there by ``vllm-sinks tune``, one
+shipped for that GPU, else the architecture default: another sm_90 GPU's under the same Triton);
+that one ``Route`` gives the tile the Hopper kernel runs and, per length bucket, whether ours or
+upstream's op runs the call. Where the prefill-op patch registered upstream vLLM's own op
+(``use_upstream_op``), a call it may take (``upstream_may_take``: full attention, no sink, output
+in the input dtype) goes to it unless the route says ours is faster there; a call with a
+device-tensor bound, or of a class no table can decide, goes to upstream's op (never slower than
+vLLM without the plugin). Such a call runs upstream's function as it is. Nothing is timed or
+synchronised on the request path.
 
 A call signature (shapes, strides, dtypes, devices, arguments: ``call_key``, a flat tuple, ~3 µs) is
 validated and planned once; later calls with it take the plan from a dict, and ours go straight to
-the C launch its kernel took before with the same length bound (``Plan.launch_seen``).
+the C launch its kernel took before with the same length bound (``Plan.launch_seen``). Once a
+class and length bucket went to upstream's op, its later calls (new token counts too) go straight
+there after ~10 attribute reads (``upstream_key``), not validated again by us: what varies per call
+(token counts, offsets) upstream's op checks as it does without the plugin.
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ def use_upstream_op(fn: Callable | None) -> None:
     ``context_attention_fwd``, which the prefill-op patch replaces) unless the table says ours is
     faster on their class (``full_attention_table``); None: never."""
     _UPSTREAM[:] = [fn] if fn is not None else []
-    _PLANS.clear()
+    forget_plans()
 
 
 def upstream_may_take(p: Problem) -> bool:
@@ -110,18 +116,16 @@ def upstream_may_take(p: Problem) -> bool:
 class Plan:
     """The launches that take one call signature, first choice first (a Hopper launch keeps the
     portable one as its fallback, for a variant that fails to compile), and upstream's op where it
-    may take the call (``route``: the call's class but its length, for the table)."""
+    may take the call (``route``: the table's word on the call's class, for its length)."""
 
     walk: WalkLaunch | None
     full: FullLaunch | None
     portable: PortableLaunch
     upstream: Callable | None = None
-    route: tuple | None = None
+    route: full_attention_table.Route | None = None
     #: length bound -> the direct C launch of the kernel that ran this signature with it
     #: (``DirectLauncher.ready``), for ``launch_seen``; filled by the calls that launch
     _ready: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
-    #: int bound -> ``upstream_takes`` (a ViT's layers repeat the bound: one dict lookup a call)
-    _takes: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def kernel(self) -> str:
@@ -133,16 +137,8 @@ class Plan:
         is faster on its class and length bucket (a device-tensor bound has no host length: upstream)."""
         if self.upstream is None:
             return False
-        if type(max_input_len) is int:
-            takes = self._takes.get(max_input_len)
-            if takes is None:
-                if len(self._takes) >= 64:
-                    self._takes.clear()
-                takes = self._takes[max_input_len] = not full_attention_table.ours_faster(
-                    self.route, max_input_len)
-            return takes
         hint = host_length_bound(max_input_len)
-        return hint is None or not full_attention_table.ours_faster(self.route, hint)
+        return hint is None or not self.route.ours(hint)
 
     def __call__(self, q, k, v, o, b_start_loc, b_seq_len, sinks, max_input_len):
         """Launch ours (upstream's op is the caller's to call: ``upstream_takes``)."""
@@ -183,11 +179,10 @@ class Plan:
 _REFUSED_TILES: set = set()  # tiles of a table the kernel's plan refused (warned once each)
 
 
-def _full_launch(full_launch, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks):
+def _full_launch(full_launch, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks, tile):
     """The Hopper full-attention launch of a call (``FullLaunch.plan``), with the tile the
-    device's table chose for its group (``full_attention_table.tile_of``) where it chose one. A
-    tile the plan refuses is the table's fault, not the caller's: warned once, default tile."""
-    tile = full_attention_table.tile_of(p.device, p.head_dim, p.dtype, p.is_causal)
+    device's table chose for its group (``Route.tile``) where it chose one. A tile the plan
+    refuses is the table's fault, not the caller's: warned once, default tile."""
     if tile is not None:
         from vllm_sinks.v1.attention.ops.gluon_full_attention import TileConfig
 
@@ -212,8 +207,13 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
     launches then take it in both places."""
     p = validate(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
                  sliding_window_q, sliding_window_k, sinks, sinks_bias_key0, cu_seqlens=cu_seqlens)
+    upstream = _UPSTREAM[0] if _UPSTREAM and upstream_may_take(p) else None
+    nvidia = on_nvidia_gpu(p.device)
+    # the one table lookup of the call's class: its tile (ours) and its verdict (ours or upstream's)
+    route = full_attention_table.route(p.device, p.head_dim, p.dtype, p.is_causal, p.q_heads,
+                                       p.kv_heads) if nvidia or upstream is not None else None
     walk = full = None
-    if on_nvidia_gpu(p.device):
+    if nvidia:
         # Imported at the first call on an NVIDIA GPU, not with this module: Gluon and the kernels'
         # definitions are ~80 % of the op's import (benchmarks/plugin_load.py), and no other
         # platform can run them.
@@ -222,20 +222,27 @@ def plan(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, soft
 
         walk = WalkLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
         if walk is None:
-            full = _full_launch(FullLaunch, p, q, k, v, o, b_start_loc, b_seq_len, sinks)
+            full = _full_launch(FullLaunch, p, q, k, v, o, b_start_loc, b_seq_len, sinks, route.tile)
     portable = PortableLaunch.plan(p, q, k, v, o, b_start_loc, b_seq_len, sinks)
-    if not _UPSTREAM or not upstream_may_take(p):
-        return Plan(walk, full, portable)
-    route = full_attention_table.route_prefix(p.device, p.head_dim, p.dtype, p.is_causal,
-                                              p.q_heads, p.kv_heads)
-    return Plan(walk, full, portable, _UPSTREAM[0], route)
+    return Plan(walk, full, portable, upstream, route if upstream is not None else None)
 
 
 # Plans by call signature: a ViT calls the op with the same shapes in every layer, and the checks
 # and planning cost ~20 µs of Python, more than the kernel on small inputs; the key ~3.
 _PLANS: dict = {}
 _PLANS_MAX = 512
-full_attention_table._FORGET.append(_PLANS.clear)  # plans keep their table verdicts (``_takes``)
+#: Calls upstream's op takes, by what of a call decides that (``upstream_key``) -> True: a call of a
+#: class and length bucket seen going there goes straight on, not validated again by us
+#: (upstream's op checks it as vLLM without the plugin does), so the fallback costs ~1 µs.
+_TO_UPSTREAM: dict = {}
+
+
+def forget_plans() -> None:
+    _PLANS.clear()
+    _TO_UPSTREAM.clear()
+
+
+full_attention_table._FORGET.append(forget_plans)  # plans keep their table's routes
 
 
 def remember(key, chosen: Plan) -> Plan:
@@ -247,6 +254,18 @@ def remember(key, chosen: Plan) -> Plan:
     return chosen
 
 
+def upstream_key(q, k, v, o, max_input_len: int, is_causal, softmax_scale, sliding_window_q,
+                 sliding_window_k):
+    """What decides whether upstream's op takes a call with no sink and a positive int bound: the
+    class (heads, head dim, dtypes, device, causality, windows), the scale (a bad one is never
+    keyed: ours says what is wrong) and the bound's power of two, not the token count (a server's
+    every pass has new ones). ~10 attribute reads."""
+    shape = q.shape
+    return (shape[1], shape[2], k.shape[1], q.dtype, k.dtype, v.dtype, o.dtype, q.get_device(),
+            is_causal, softmax_scale, sliding_window_q, sliding_window_k,
+            (max_input_len - 1).bit_length())
+
+
 def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True,
                           softmax_scale=None, sliding_window_q=None, sliding_window_k=None,
                           sinks=None, sinks_bias_key0=False):
@@ -254,6 +273,18 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
 
     See the module docstring for the semantics. Raises ``ValueError`` on bad input.
     """
+    if _TO_UPSTREAM and sinks is None and type(max_input_len) is int and max_input_len > 0:
+        try:  # ``upstream_key``, inlined: a Python call is ~0.2 µs of the ~1 µs this path costs
+            shape = q.shape
+            to_upstream = (shape[1], shape[2], k.shape[1], q.dtype, k.dtype, v.dtype, o.dtype,
+                           q.get_device(), is_causal, softmax_scale, sliding_window_q,
+                           sliding_window_k, (max_input_len - 1).bit_length()) in _TO_UPSTREAM
+        except Exception:  # noqa: BLE001 - not tensors, unhashable: the checks below say what
+            to_upstream = False
+        if to_upstream:
+            _UPSTREAM[0](q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal,
+                         softmax_scale, sliding_window_q, sliding_window_k)
+            return
     key = call_key(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
                    sliding_window_q, sliding_window_k, sinks, sinks_bias_key0)
     chosen = _PLANS.get(key) if key is not None else None
@@ -262,6 +293,11 @@ def context_attention_fwd(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_
                                     softmax_scale, sliding_window_q, sliding_window_k, sinks,
                                     sinks_bias_key0))
     if chosen.upstream is not None and chosen.upstream_takes(max_input_len):
+        if type(max_input_len) is int and max_input_len > 0:  # this class and bucket: straight on
+            if len(_TO_UPSTREAM) >= _PLANS_MAX:
+                _TO_UPSTREAM.clear()
+            _TO_UPSTREAM[upstream_key(q, k, v, o, max_input_len, is_causal, softmax_scale,
+                                      sliding_window_q, sliding_window_k)] = True
         # upstream's own function, as vLLM without the plugin calls it (no sink: none passed, which
         # also suits releases whose op has no sink arguments)
         chosen.upstream(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal, softmax_scale,
