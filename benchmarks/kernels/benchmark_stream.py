@@ -380,6 +380,35 @@ def describe_workload(cfg: Config, name: str) -> str:
             f"{cfg.images[0]}–{cfg.images[1]} images of {lens} tokens")
 
 
+def routes(cfg: Config, workloads: list[str], gpu: str, capability: tuple[int, int]) -> str:
+    """``--routes``: which op the patched path sends each full-attention workload's passes to, read
+    from the tables a ``gpu`` of ``capability`` finds under each Triton release the package ships
+    tables for (its own, else the architecture default): no GPU, nothing timed."""
+    from vllm_sinks.v1.attention.ops import full_attention_table as fat
+
+    releases = sorted({fat.load_table(p).triton for p in fat.SHIPPED_DIR.glob("*.json")})
+    fat.use_table_dir(fat.SHIPPED_DIR, fat.SHIPPED)
+    out = [f"Passes the patched path sends to ours, {gpu} sm_{capability[0]}{capability[1]} "
+           f"(tables as shipped; length buckets b: longest image <= 2**b)", "",
+           "| workload | Triton | table | passes to ours | buckets ours | buckets upstream |",
+           "|---|---|---|---|---|---|"]
+    for name in (w for w in workloads if w != "mimo"):
+        wcfg = workload_config(cfg, name)
+        hq, hkv, d = wcfg.full_heads
+        for release in releases:
+            found = fat.find_table((gpu, capability, release))
+            buckets = [fat.length_bucket(max(lens)) for lens in stream_of_passes(wcfg)]
+            verdict = {b: bool(found and found.table.decide(fat.ShapeClass(
+                d, wcfg.dtype, False, hq // hkv, fat.heads_bucket(hq), b))) for b in set(buckets)}
+            table = "none" if found is None else f"{found.kind}: {found.path.name}"
+            out.append(f"| {describe_workload(wcfg, name)} | {release} | {table} | "
+                       f"{sum(verdict[b] for b in buckets)} of {len(buckets)} | "
+                       f"{sorted(b for b in verdict if verdict[b]) or '—'} | "
+                       f"{sorted(b for b in verdict if not verdict[b]) or '—'} |")
+    fat.use_table_dir()
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peers", default=None)
@@ -388,6 +417,9 @@ def main(argv=None):
     ap.add_argument("--workloads", default="full,mimo")
     ap.add_argument("--out", default=os.environ.get("OUT") or None)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny, on Triton's interpreter")
+    ap.add_argument("--routes", default=None, metavar="GPU",
+                    help="print which op each workload's passes go to on this sm_90 GPU (e.g. "
+                    "'NVIDIA H100 80GB HBM3'), per shipped Triton release, and exit: no GPU needed")
     ap.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -398,6 +430,10 @@ def main(argv=None):
         if args.rounds < 1:
             sys.exit("--rounds: at least 1")
         cfg = dataclasses.replace(cfg, rounds=args.rounds)
+    if args.routes:
+        text = routes(cfg, args.workloads.split(","), args.routes, (9, 0))
+        print(text)
+        return text
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the op modules import Triton
     elif not torch.cuda.is_available():

@@ -18,6 +18,12 @@
 #   bash benchmarks/kernels/run_on_device.sh dispatch   # GPU tests + full attention + host cost (the
 #                                                       # tables a change of the routing moves)
 #   bash benchmarks/kernels/run_on_device.sh profile    # ncu of the default shape + code dump + sweep
+#   bash benchmarks/kernels/run_on_device.sh release    # one Triton release in one call: (TUNE=1)
+#                                                       # `vllm-sinks tune` into the user's cache and
+#                                                       # `vllm-sinks report`, the stream (STREAM_WORKLOADS,
+#                                                       # STREAM_ROUNDS), host cost, then the GPU tests
+#                                                       # in what is left of TEST_S seconds (8 files
+#                                                       # under $OUT: what comes back from the device)
 #
 # TRITON_TARBALL=.gpu/triton-3.7.1-slim.tar.xz runs everything under that Triton instead of the
 # machine's (a slimmed Triton wheel, packed outside this repo; carry it): users have 3.7.1 (vLLM 0.27-0.32),
@@ -60,6 +66,32 @@ if [ "$what" = profile ]; then
     --tune-seconds "${TUNE_SECONDS:-150}" --out "$out" 2>&1 | tee "$out/tune.log" | grep -v -i warn | tail -n 30
   echo "sweep: $(( $(date +%s) - t0 )) s"
   exit 0
+fi
+
+if [ "$what" = release ]; then
+  peers=${PEERS:-.gpu/peers}
+  t0=$(date +%s)
+  if [ "${TUNE:-0}" = 1 ]; then
+    python3 -m vllm_sinks tune --peers "$peers" --out "$out" 2>&1 | tee "$out/tune.log" \
+      | grep -v -i warn | grep -v "^\[tune\] timed" | tail -n 45
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    python3 -m vllm_sinks report 2>&1 | tee -a "$out/tune.log" | tail -n 3
+    echo "tune + report: $(( $(date +%s) - t0 )) s"
+  fi
+  t1=$(date +%s)
+  python3 benchmarks/kernels/benchmark_stream.py --peers "$peers" --rounds "${STREAM_ROUNDS:-2}" \
+    --workloads "${STREAM_WORKLOADS:-full,mimo}" --out "$out" 2>&1 | grep -v -i warn | tail -n 40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "stream: $(( $(date +%s) - t1 )) s"
+  python3 benchmarks/kernels/host_cost.py --peers "$peers" 2>&1 | tee "$out/host.log" | grep -i routed
+  xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${XDIST_WORKERS:-4}")
+  left=$(( ${TEST_S:-560} - ($(date +%s) - t0) ))
+  if [ "$left" -gt 30 ]; then
+    timeout "$left" python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" --maxfail=20 \
+      ${GPU_TESTS:-tests/gpu} > "$out/gpu-tests.log" 2>&1
+    echo "gpu tests (rc $?, ${left} s allowed): $(grep -E "passed|failed" "$out/gpu-tests.log" | tail -n 1)"
+  fi
+  exit $status
 fi
 
 if [ "$what" = tune ] || [ "$what" = stream ]; then

@@ -347,14 +347,14 @@ _FORGET: list = []  # callables that drop verdicts kept elsewhere (the front doo
 _DEFAULT = object()
 
 
-def use_table_dir(directory=_DEFAULT) -> None:
-    """Read tables from ``directory`` alone from now on (None: none at all, every class falls back
-    to upstream's op; no argument: the user's cache, then the shipped ones); forgets the tables and
-    routes read so far, here and in the front door."""
+def use_table_dir(directory=_DEFAULT, kind: str = GIVEN) -> None:
+    """Read tables from ``directory`` alone from now on, reported as ``kind`` (None: none at all,
+    every class falls back to upstream's op; no argument: the user's cache, then the shipped ones);
+    forgets the tables and routes read so far, here and in the front door."""
     if directory is _DEFAULT:
         _SOURCES[:] = _default_sources()
     else:
-        _SOURCES[:] = [] if directory is None else [(GIVEN, Path(directory))]
+        _SOURCES[:] = [] if directory is None else [(kind, Path(directory))]
     _TABLES.clear()
     _ROUTES.clear()
     for forget in _FORGET:
