@@ -388,23 +388,27 @@ def routes(cfg: Config, workloads: list[str], gpu: str, capability: tuple[int, i
 
     releases = sorted({fat.load_table(p).triton for p in fat.SHIPPED_DIR.glob("*.json")})
     fat.use_table_dir(fat.SHIPPED_DIR, fat.SHIPPED)
-    out = [f"Passes the patched path sends to ours, {gpu} sm_{capability[0]}{capability[1]} "
-           f"(tables as shipped; length buckets b: longest image <= 2**b)", "",
-           "| workload | Triton | table | passes to ours | buckets ours | buckets upstream |",
-           "|---|---|---|---|---|---|"]
+    found = {r: fat.find_table((gpu, capability, r)) for r in releases}
+    tables = "; ".join(f"{r}: " + ("none" if f is None else f"{f.kind} {f.path.name}")
+                       for r, f in found.items())
+    out = [f"Passes of each workload the patched path sends to ours on {gpu} (sm_"
+           f"{capability[0]}{capability[1]}), per Triton release; in brackets the length buckets b "
+           f"(longest image <= 2**b) that go to upstream's op. Tables: {tables}", "",
+           "| workload | " + " | ".join(f"Triton {r}" for r in releases) + " |",
+           "|---" * (1 + len(releases)) + "|"]
     for name in (w for w in workloads if w != "mimo"):
         wcfg = workload_config(cfg, name)
         hq, hkv, d = wcfg.full_heads
+        buckets = [fat.length_bucket(max(lens)) for lens in stream_of_passes(wcfg)]
+        cells = []
         for release in releases:
-            found = fat.find_table((gpu, capability, release))
-            buckets = [fat.length_bucket(max(lens)) for lens in stream_of_passes(wcfg)]
-            verdict = {b: bool(found and found.table.decide(fat.ShapeClass(
+            table = found[release] and found[release].table
+            ours = {b: bool(table and table.decide(fat.ShapeClass(
                 d, wcfg.dtype, False, hq // hkv, fat.heads_bucket(hq), b))) for b in set(buckets)}
-            table = "none" if found is None else f"{found.kind}: {found.path.name}"
-            out.append(f"| {describe_workload(wcfg, name)} | {release} | {table} | "
-                       f"{sum(verdict[b] for b in buckets)} of {len(buckets)} | "
-                       f"{sorted(b for b in verdict if verdict[b]) or '—'} | "
-                       f"{sorted(b for b in verdict if not verdict[b]) or '—'} |")
+            upstream = sorted(b for b in ours if not ours[b])
+            cells.append(f"{sum(ours[b] for b in buckets)} of {len(buckets)}"
+                         + (f" (b{', b'.join(map(str, upstream))})" if upstream else ""))
+        out.append(f"| {describe_workload(wcfg, name)} | " + " | ".join(cells) + " |")
     fat.use_table_dir()
     return "\n".join(out) + "\n"
 

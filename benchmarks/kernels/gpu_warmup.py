@@ -1,17 +1,9 @@
 """Bring the GPU's clocks up before the first timed case: they idle low (345 MHz on the H200)
-between compiles, and the first case would otherwise be timed at a low clock."""
+between compiles, and the first case would otherwise be timed at a low clock. The tune's own
+(``vllm-sinks tune`` warms the GPU the same way)."""
 
 from __future__ import annotations
 
-import time
+from vllm_sinks.v1.attention.ops.tune_full_attention import warm_gpu
 
-import torch
-
-
-def warm_gpu(seconds: float = 1.0) -> None:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
+__all__ = ["warm_gpu"]

@@ -277,7 +277,7 @@ def compile_first(units: list, jobs: int, dry_run: bool, peers_dir, buckets, til
 
 def warm_gpu(seconds: float = 1.0) -> None:
     """Bring the GPU's clocks up before the first timed case: they idle low between compiles."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for _ in range(10):
