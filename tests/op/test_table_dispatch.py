@@ -165,3 +165,27 @@ def test_another_table_source_is_read_by_plans_made_before(upstream):
     _run(case)
     assert len(calls) == 1  # ours now
     check_tolerance(case)
+
+
+def test_new_token_counts_of_a_class_seen_going_upstream_go_straight_there(upstream, monkeypatch):
+    """A server's every pass has new token counts: once a class and length bucket went to
+    upstream's op, its later calls neither build a call key nor plan (the fallback's host cost is
+    upstream's own plus ~10 attribute reads); a sink, a window or a new bucket is planned again."""
+    calls, _ = upstream
+    _run(_full(seed=30, lens=(5, 9)), 9)
+    assert len(calls) == 1 and len(op._TO_UPSTREAM) == 1
+
+    def never(*args, **kwargs):
+        raise AssertionError("planned a call whose class already went upstream")
+
+    monkeypatch.setattr(op, "call_key", never)
+    monkeypatch.setattr(op, "plan", never)
+    for seed, lens in zip(range(31, 34), ((3, 12), (16,), (1, 2, 14))):  # bound 12-16: bucket 4
+        _run(_full(seed=seed, lens=lens), max(lens))
+    assert len(calls) == 4
+    with pytest.raises(AssertionError, match="planned"):
+        _run(_full(seed=34, lens=(40,)), 40)  # another bucket
+    with pytest.raises(AssertionError, match="planned"):
+        _run(_full(seed=35), sliding_window_q=4)
+    op.use_upstream_op(lambda *args: calls.append(args))
+    assert not op._TO_UPSTREAM  # a new upstream op: everything is routed afresh
