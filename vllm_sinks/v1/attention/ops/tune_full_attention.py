@@ -210,8 +210,11 @@ def ops(dry_run: bool, peers_dir):
 
     op.use_upstream_op(None)  # ours: our kernels only
     if peers_dir is not None:
-        from benchmarks.kernels import peers  # a source checkout's loader of fetched files
-
+        try:
+            from benchmarks.kernels import peers  # a source checkout's loader of fetched files
+        except ImportError as e:
+            raise SystemExit(f"--peers loads upstream's op with benchmarks/kernels/peers.py of a "
+                             f"vllm-sinks source checkout, which is not on the path here ({e})")
         up = peers.upstream_op(peers_dir)
         raw = None if up is None else up.raw
     else:
