@@ -387,7 +387,7 @@ def markdown(rows, bandwidth, device_name) -> str:
 # ---- tile-shape sweep ----------------------------------------------------------------------------
 
 def _sweep(p, group: int) -> list[LaunchConfig]:
-    """Tile shapes to time beside the default, most telling first (see the kernel log).
+    """Tile shapes to time beside the default, most telling first (docs/kernels/portable.md).
 
     Loop layouts (one pipelined loop masking its edge blocks, masked edges in their own loops, one
     loop masking every block), keys per step (16: more per-step overhead, less band waste; 32: fewer instructions per key, more
