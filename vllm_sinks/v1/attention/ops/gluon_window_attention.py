@@ -48,7 +48,6 @@ tile's band gains at most one block), head dim 64, fp16/bf16, output in the inpu
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -57,9 +56,9 @@ import triton
 from vllm_sinks.env import WINDOW_WALK
 # Every Gluon name comes from gluon_api, which maps them across Triton releases (None without Gluon).
 from vllm_sinks.v1.attention.ops.gluon_api import (async_load, commit_group, cta_barrier,
-                                                   fence_async_shared, gl, gluon,
-                                                   hopper_unavailable, reinterpret, wait_group,
-                                                   warpgroup_mma, warpgroup_mma_wait)
+                                                   fence_async_shared, gl, gluon, reinterpret,
+                                                   wait_group, warpgroup_mma, warpgroup_mma_wait)
+from vllm_sinks.v1.attention.ops.hopper_gate import first_launch, kernel_unavailable
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     BLOCK_KEYS,
@@ -599,11 +598,9 @@ def _device_index(device: torch.device) -> int:
 
 
 def walk_unavailable(device: torch.device) -> str | None:
-    """Why the Gluon kernel cannot run on ``device`` (None when it can): the platform, or the
-    environment switch turned it off."""
-    if WINDOW_WALK.read() == "off":
-        return f"{ENV_DISABLE}=off"
-    return hopper_unavailable(device)
+    """Why the Gluon kernel cannot run on ``device`` (None when it can): the environment switch
+    turned it off, or the platform rules it out."""
+    return kernel_unavailable(device, WINDOW_WALK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -765,19 +762,11 @@ class WalkLaunch:
         if self._compiled:  # the common case: nothing to decide
             _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options)
             return True
-        if self.variant in _FAILED_VARIANTS:
+        launched, compiled = first_launch(  # the first launch of a variant compiles it
+            lambda: _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options),
+            self.variant, _COMPILED_VARIANTS, _FAILED_VARIANTS, "window")
+        if not launched:
             return False
-        try:  # the first launch of a variant compiles it
-            compiled = _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options)
-        except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
-            if self.variant in _COMPILED_VARIANTS:
-                raise  # it compiled before: a real launch error, not the compiler's
-            _FAILED_VARIANTS.add(self.variant)
-            warnings.warn(f"vllm-sinks: the Hopper window kernel failed to compile "
-                          f"({type(e).__name__}: {str(e)[:300]}); using the Triton kernel for this "
-                          "shape", stacklevel=2)
-            return False
-        _COMPILED_VARIANTS.add(self.variant)
         if signature[-1] == TIGHT.maxnreg and getattr(compiled, "n_spills", 0):
             # This output is right, only slow: from the next call on, the variant runs unspilled
             # at two programs per SM (its bounds are planned again, and their direct launches
