@@ -1,6 +1,6 @@
 """The GPU tests' one skip rule for the Hopper kernels.
 
-A module that tests one Hopper Gluon kernel marks itself ``hopper_kernel(gate)`` with that
+A module that tests one Hopper Gluon kernel marks itself ``hopper_kernel(gate=...)`` with that
 kernel's gate (``gluon_full_attention.full_unavailable``, ``gluon_window_attention.walk_unavailable``):
 where the gate gives a reason (no Gluon, an untested Triton, not an NVIDIA sm_90 GPU, the kernel's
 env switch off), every test of the module skips with it. Without a CUDA GPU nothing here runs: the
@@ -15,7 +15,7 @@ import torch
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "hopper_kernel(gate): tests of one Hopper Gluon kernel, "
+    config.addinivalue_line("markers", "hopper_kernel(gate=...): tests of one Hopper Gluon kernel, "
                             "skipped with gate(device)'s reason where that kernel may not run")
 
 
@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("hopper_kernel")
         if marker is None:
             continue
-        gate = marker.args[0]
+        gate = marker.kwargs["gate"]  # a keyword: a lone function argument would be the marked test
         if gate not in reasons:
             reasons[gate] = gate(torch.device("cuda"))
         if reasons[gate]:

@@ -24,7 +24,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
     same_dtype_torch_error,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.hopper_kernel(full_unavailable)]  # tests/gpu/conftest.py
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper_kernel(gate=full_unavailable)]  # tests/gpu/conftest.py
 
 # Lengths around every tile edge (64 queries, 64 keys; 128 for the sweep's tiles), one key, empty, long.
 LENS = [700, 1, 0, 300, 129, 128, 127, 64, 65, 2048]

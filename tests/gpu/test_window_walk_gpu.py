@@ -24,7 +24,7 @@ from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
     same_dtype_torch_error,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.hopper_kernel(walk_unavailable)]  # tests/gpu/conftest.py
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper_kernel(gate=walk_unavailable)]  # tests/gpu/conftest.py
 
 WINDOWS = dict(PATTERNS, **{
     "window-32": dict(is_causal=False, sliding_window_q=32, sliding_window_k=32),
