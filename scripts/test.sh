@@ -37,7 +37,7 @@ declare -A SUITE_PYTEST=(
 PYTEST_WORKERS=${VLLM_SINKS_PYTEST_WORKERS:-2}
 # Families the smoke suite checks end to end against HF eager (`vllm-sinks verify`, patch on and off).
 SMOKE_FAMILIES="gpt_oss granite_swa"
-# Cases of the Hopper kernel's compile check: both paths of the tile loop (kernel log, run 13).
+# Cases of the Hopper kernel's compile check: both paths of the tile loop (docs/kernels/window-walk.md).
 COMPILE_CASES="mimo gpt-oss gpt-oss-gp8"
 
 matrix_rows() { grep -v '^[[:space:]]*#' scripts/matrix.txt | awk 'NF'; }

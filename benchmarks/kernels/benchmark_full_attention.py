@@ -80,7 +80,7 @@ FULL_ATTENTION_SHAPES: list[FullShape] = [
     FullShape("mixed lengths", (256, 1024, 4000, 77, 2500), 16, 64, upstream_notes_us=420.0),
     FullShape("encoder 64x512", (512,) * 64, 12, 64, upstream_notes_us=275.0),
     FullShape("encoder 256x128", (128,) * 256, 12, 64, upstream_notes_us=105.0),
-    # Issue 19: shapes nobody listed before (the dispatch must hold on any shape, so any
+    # Shapes no model list names (the dispatch must hold on any shape, so any
     # shape must come out >= 0.97 x upstream): other head dims, head counts, GQA, lengths, batch
     # mixes, fp16 / fp32, causal, and small host-bound calls.
     FullShape("tiny 1x64 D64", (64,), 8, 64),

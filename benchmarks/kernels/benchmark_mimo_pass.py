@@ -77,7 +77,7 @@ def upstream_window_layer(op):
 
 def pass_of(forward, layers, cu, max_seqlen) -> None:
     """One pass: each layer's output dropped before the next layer runs, as in the tower (the block
-    projects it, and it is freed; until session 16 the benchmark kept all 24 alive, which made
+    projects it, and it is freed; keeping all 24 alive would make
     every layer's allocation find a new block)."""
     for layer in layers:
         forward(*layer, cu, max_seqlen)

@@ -139,7 +139,7 @@ def _flex_runner(c: Case, q, k, v, sinks, lens):
     device = q.device
     doc = torch.repeat_interleave(torch.arange(c.num_seqs, device=device), lens.long())
     # 1.0 at each sequence's first token, else 0.0 (a float gather + FMA in score_mod; a bool
-    # gather with torch.where measured ~10x slower in run 1).
+    # gather with torch.where measured ~10x slower on the H200).
     first = torch.zeros(c.tokens, dtype=torch.float32, device=device)
     first[torch.arange(c.num_seqs, device=device) * c.seq_len] = 1.0
     wq, wk, causal = c.window_q, c.window_k, c.is_causal
@@ -387,7 +387,7 @@ def markdown(rows, bandwidth, device_name) -> str:
 # ---- tile-shape sweep ----------------------------------------------------------------------------
 
 def _sweep(p, group: int) -> list[LaunchConfig]:
-    """Tile shapes to time beside the default, most telling first (see the kernel log).
+    """Tile shapes to time beside the default, most telling first (docs/kernels/portable.md).
 
     Loop layouts (one pipelined loop masking its edge blocks, masked edges in their own loops, one
     loop masking every block), keys per step (16: more per-step overhead, less band waste; 32: fewer instructions per key, more

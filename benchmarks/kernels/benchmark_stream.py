@@ -1,4 +1,4 @@
-"""The op on a server's stream: every pass brings shapes not seen before (issue 30, item 3).
+"""The op on a server's stream: every pass brings shapes not seen before.
 
     python3 benchmarks/kernels/benchmark_stream.py [--peers .gpu/peers] [--passes 48] [--out DIR]
     TRITON_INTERPRET=1 python3 benchmarks/kernels/benchmark_stream.py --cpu-smoke   # CPU: it runs
@@ -23,8 +23,8 @@ log-uniform in the workload's range), then the same passes again ("seen again"):
   as vLLM's Triton ViT wrapper calls the op (``b_start_loc = cu_seqlens[:-1]``, ``b_seq_len`` their
   differences, a fresh output, the longest image's tokens as a Python int, ``is_causal=False``);
 - the other full-attention streams of ``FULL_STREAMS``, called the same way: encoders of other
-  head dims, dtypes, depths and image mixes (issue 44's, and head dims and head counts no table
-  measured: 88, 104, 20 heads);
+  head dims, dtypes, depths and image mixes, and head dims and head counts no table measured
+  (88, 104, 20 heads);
 - ``mimo``: MiMo-V2.5's window layers, 32/8 heads, head dim 64, window 64, key-0 sinks,
   ``cu_seqlens`` on the GPU and ``max_seqlen`` a host tensor (``benchmark_mimo_pass``'s layer).
 
@@ -74,7 +74,7 @@ class Config:
     device: str = "cuda"
     #: fresh processes per path, in turn (upstream, patched, ours, no table, then again): each pass
     #: is reported as its median over them. One process's total moved by a third on the MiMo
-    #: workload where three paths ran the same code (session 21, Triton 3.9.0).
+    #: workload where three paths ran the same code (measured: H200, Triton 3.9.0).
     rounds: int = 3
 
 
@@ -106,8 +106,8 @@ SMOKE = Config(passes=2, layers=2, tokens=(8, 40), dtype="float32", full_heads=(
 def stream_of_passes(cfg: Config) -> list[list[int]]:
     """Per pass, the images' token counts (a new draw per pass, seeded), log-uniform in
     ``cfg.tokens``: images span orders of magnitude, and a uniform draw (median ~8k tokens) makes
-    nearly every pass GPU-bound, where what each call costs the host does not show (session 20's
-    first device run: 146 ms a pass upstream, the issue's stream 1.5)."""
+    nearly every pass GPU-bound, where what each call costs the host does not show (a uniform draw
+    measured 146 ms a pass upstream on the H200)."""
     rng = random.Random(cfg.seed)
     lo, hi = (math.log(n) for n in cfg.tokens)
     return [[min(cfg.tokens[1], max(cfg.tokens[0], round(math.exp(rng.uniform(lo, hi)))))
@@ -221,7 +221,7 @@ def cpu_now() -> int | None:
 def python_ns() -> float:
     """ns per step of a fixed pure-Python loop (best of 5): how fast this process runs Python
     where it is. A host-bound pass costs what the host's Python costs, and one process's MiMo
-    total has moved by a third against another's running the same code (session 25)."""
+    total has moved by a third against another's running the same code (measured: H200, Triton 3.9.0)."""
     best = float("inf")
     for _ in range(5):
         d, t0 = {}, time.perf_counter()
@@ -311,7 +311,7 @@ def pass_zero_lines(results: list[dict], workloads: list[str]) -> list[str]:
     """Pass 0 holds what a fresh process does once: each kernel's first launch (Triton's cache key,
     the module load; Triton's own start on the first workload), which a vLLM server pays in its
     start-up profile run before any request. Per workload: pass 0's excess over the same pass seen
-    again, per path, and first sight's ratio to upstream without pass 0 (session 23: 390–490 ms of
+    again, per path, and first sight's ratio to upstream without pass 0 (measured on the H200: 390–490 ms of
     the full workload's ~2 s on every path)."""
     base = {w: r[w]["first"][1:] for r in results if r["path"] == "upstream" for w in workloads}
     out = []

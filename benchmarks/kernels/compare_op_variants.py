@@ -8,7 +8,7 @@ VARIANTS is a text file, one variant per line: ``name  path/to/module.py  {Launc
 fields of that module's default tile shape (``{}`` for none). Every variant is checked against the
 fp32 reference and timed twice per case (do_bench median, L2 flushed), interleaved, so the spread
 between the two passes shows the noise. Why: the H200 moves by a few percent between runs, and
-kernel changes worth keeping are often that size (docs/notes/prefill-kernel-log.md, run 8).
+kernel changes worth keeping are often that size (docs/kernels/portable.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Each argument is a scratch copy of ``vllm_sinks/v1/attention/ops/gluon_window_at
 kernel change (the committed module is always timed too, as "committed"). Every variant is checked
 against the fp32 reference, then timed twice per case (do_bench median, L2 flushed), interleaved, so
 the spread between the passes shows the noise: kernel changes worth keeping are often a few percent,
-about what the H200 moves between runs (docs/notes/prefill-kernel-log.md, run 8).
+about what the H200 moves between runs (docs/kernels/portable.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 # Where the release's binary is still missing, the machine's ptxas (CUDA 13.0) stands in, and
 # ptxas.txt says so. It is not what users compile with: the walk fits 168 registers without a
 # spill under 12.8 (3.7.1), 12.9 (3.8) and 13.0, and spills 136-144 B under 13.3-13.4 (3.9's
-# ptxas-blackwell; kernel log, session 17).
+# ptxas-blackwell; docs/kernels/window-walk.md).
 if [ -n "${TRITON_TARBALL:-}" ]; then
   slim=/tmp/triton-slim; rm -rf "$slim"; mkdir -p "$slim"; tar -xJf "$TRITON_TARBALL" -C "$slim"
   [ -n "${PTXAS_TARBALL:-}" ] && tar -xJf "$PTXAS_TARBALL" -C "$slim"

@@ -15,7 +15,7 @@ queue never fills and the CPU never waits for the GPU inside the timer). Rows:
   ``DirectLauncher``: alignment, hooks, stream, and the C launch called directly where the Triton
   release allows it, else Triton's compiled launcher);
 - triton run: ``CompiledKernel.run(...)`` with the tensors (Triton's Python ``CudaLauncher.__call__``
-  and its C launch): what ``DirectLauncher`` called before session 11;
+  and its C launch): what Triton's own launch runs;
 - C launch: the C launch function alone with the direct path's arguments (pointers as ints): the
   floor of the direct path (n/a where the release's launcher is not one ``kernel_launcher`` knows);
 - triton [grid]: the same kernel launched through ``kernel[grid](...)`` (Triton's own binding):
@@ -53,8 +53,8 @@ from vllm_sinks.v1.attention.ops.prefill_attention_problem import call_key  # no
 #: Calls timed between two synchronisations. CUDA's launch queue is bounded: when a kernel takes
 #: longer on the GPU than its launch on the CPU (MiMo 1 × 4096: ~26 µs against ~10), a long run of
 #: calls fills it and the CPU then waits for the GPU inside the timer. With one synchronisation per
-#: 2,000 calls (sessions 11 and 12) the C launch alone measured 9.5–10.6 µs and an op call 10.7–19.0 µs
-#: from one run to the next; with one per 250, 3.8 µs and 10.2–11.5 µs (session 12, same machine).
+#: 2,000 calls (measured: H200 host, Triton 3.7.1/3.8.0) the C launch alone measured 9.5–10.6 µs and an op call 10.7–19.0 µs
+#: from one run to the next; with one per 250, 3.8 µs and 10.2–11.5 µs (same machine).
 SYNC_EVERY = 250
 
 

@@ -15,7 +15,7 @@ launch is planned as on an sm_90 GPU (its platform gate is lifted for the run). 
 - op call: ``context_attention_fwd`` end to end (key, plan lookup, launch object, launcher);
 - plan launch: the chosen launch object (``WalkLaunch`` / ``PortableLaunch``) on this call's tensors;
 - launcher: ``DirectLauncher`` alone (alignment, hooks, stream, the compiled launcher);
-- triton run: Triton's ``CudaLauncher.__call__`` alone (what the launcher called before session 11).
+- triton run: Triton's ``CudaLauncher.__call__`` alone (what Triton's own launch runs).
 
 Then one MiMo window layer as the patched ``_forward_window_attn`` runs it (wrapper and op), and
 a call routed to upstream's op (``host_cost.routed_case``, upstream's op stood in for by a function

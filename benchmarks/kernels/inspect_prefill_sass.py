@@ -5,9 +5,9 @@
 
 Needs Triton with its bundled ptxas / cuobjdump (any Triton wheel for Linux has them); the GPU
 machine's Triton is 3.6, so compile with 3.6 for numbers that match it. Why: Nsight Compute on the
-H200 showed issue slots 67–71 % busy (docs/notes/prefill-kernel-log.md, runs 5 and 8), so the
+H200 showed issue slots 67–71 % busy (docs/kernels/portable.md), so the
 instruction count per key block and per program bounds what a change can save, and it can be read
-here, for free, between GPU runs (the time it saves still has to be measured: run 8). Prints registers, spills, shared memory, the instruction
+here, for free, between GPU runs (the time it saves still has to be measured on the GPU). Prints registers, spills, shared memory, the instruction
 count of each loop body (a backward branch closes a loop) and outside loops, and the wgmma count.
 """
 
@@ -46,7 +46,7 @@ def mimo_problem(num_seqs=4, seq_len=16384) -> Problem:
 
 def signature(kernel, constexprs: dict, floats=frozenset(_FLOATS)):
     """Argument types and the divisibility hints the JIT would give the op's kernels (bf16
-    tensors, 64-wide heads): without the hints nothing vectorises (kernel log, v1)."""
+    tensors, 64-wide heads): without the hints nothing vectorises."""
     sig, attrs = {}, {}
     for i, n in enumerate(kernel.arg_names):
         if n in constexprs:

@@ -8,7 +8,7 @@ Needs the GPU machine's Triton (3.6: Gluon's API differs in other releases; see 
 the venv). What it answers between GPU runs: whether the kernel compiles at all, whether it still
 fits three programs per SM (≤ 168 registers, no spill; ≤ ~75 KB of shared memory), and where its
 instructions go. Where it spills at 168 (Triton 3.9's ptxas 13.4), the budget ``WalkLaunch`` then
-takes (``ROOMY``) is compiled too. Timing still needs the device (kernel log, run 9).
+takes (``ROOMY``) is compiled too. Timing still needs the device (docs/kernels/window-walk.md).
 """
 
 from __future__ import annotations

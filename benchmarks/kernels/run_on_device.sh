@@ -13,8 +13,8 @@
 #   bash benchmarks/kernels/run_on_device.sh tests      # GPU tests only (GPU_TESTS: which files,
 #                                                       # default tests/gpu)
 #   bash benchmarks/kernels/run_on_device.sh bench      # table only
-#   bash benchmarks/kernels/run_on_device.sh host       # GPU tests + MiMo pass + host cost (issue 19,
-#                                                       # item 1: the tables a host-side change moves)
+#   bash benchmarks/kernels/run_on_device.sh host       # GPU tests + MiMo pass + host cost
+#                                                       # (the tables a host-side change moves)
 #   bash benchmarks/kernels/run_on_device.sh dispatch   # GPU tests + full attention + host cost (the
 #                                                       # tables a change of the routing moves)
 #   bash benchmarks/kernels/run_on_device.sh profile    # ncu of the default shape + code dump + sweep
@@ -95,7 +95,7 @@ if [ "$what" = release ]; then
 fi
 
 if [ "$what" = tune ] || [ "$what" = stream ]; then
-  # no GPU tests: the table's measurement (105–121 s, session 23) and the stream (~150 s) fit one call
+  # no GPU tests: the table's measurement (105–121 s on an H200) and the stream (~150 s) fit one call
   if [ "$what" = tune ]; then
     python3 benchmarks/kernels/tune_full_attention.py --out "$out" 2>&1 | tee "$out/tune-full.log" \
       | grep -v -i warn | tail -n 60

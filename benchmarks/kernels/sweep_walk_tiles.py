@@ -5,8 +5,8 @@ tile 64 / GP) on the benchmark's window cases, in one run (GPU machine).
 
 A smaller GP means more head groups, each re-reading the KV head's band from L2, but tiles twice as
 tall in tokens: half the tiles, so half the per-tile overhead (prefetch, barrier, epilogue) per
-token; GP 4 (16-token tiles, the default) also walks tiles in pairs of static slot parity (kernel
-log, run 13). Each shape is checked against the fp32 reference, then timed twice (do_bench median,
+token; GP 4 (16-token tiles, the default) also walks tiles in pairs of static slot parity
+(docs/kernels/window-walk.md). Each shape is checked against the fp32 reference, then timed twice (do_bench median,
 L2 flushed), interleaved, so the spread shows the noise.
 """
 

@@ -12,29 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from test_prefill_op_gpu import _packed  # skips this module without CUDA, as it skips itself
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-from test_prefill_op_gpu import _packed  # noqa: E402
-
-from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
-from vllm_sinks.v1.attention.ops.gluon_full_attention import (  # noqa: E402
-    FullLaunch,
-    TileConfig,
-    full_unavailable,
-)
-from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate  # noqa: E402
-from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
+from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+from vllm_sinks.v1.attention.ops.gluon_full_attention import FullLaunch, TileConfig, full_unavailable
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate
+from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
     covered_rows,
     reference_prefill_attention,
     relative_l2,
     same_dtype_torch_error,
 )
 
-if full_unavailable(torch.device("cuda")):
-    pytest.skip(full_unavailable(torch.device("cuda")), allow_module_level=True)
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper_kernel(gate=full_unavailable)]  # tests/gpu/conftest.py
 
 # Lengths around every tile edge (64 queries, 64 keys; 128 for the sweep's tiles), one key, empty, long.
 LENS = [700, 1, 0, 300, 129, 128, 127, 64, 65, 2048]

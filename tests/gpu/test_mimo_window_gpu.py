@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 HEADS, KV_HEADS, HEAD_DIM, WINDOW = 32, 8, 64, 64
-#: Error bounds of issue 5: bf16 within 2.5e-3 of fp32; dropping the sinks must cost >= 1e-2.
+#: Error bounds of the MiMo window path: bf16 within 2.5e-3 of fp32; dropping the sinks must cost >= 1e-2.
 BF16_BOUND, SINK_EFFECT_FLOOR = 2.5e-3, 1e-2
 IMAGE_SETS = {
     "1x1024": (1024,),

@@ -112,7 +112,7 @@ def test_mimo_shape_and_dropped_sinks_fail(sink_mode):
     assert err < 4e-3, err  # the bf16 floor (~2.1e-3 for upstream's op)
     o2 = torch.empty_like(q)
     context_attention_fwd(q, k, v, o2, b_start, b_len, 4096, **dict(kwargs, sinks=None))
-    assert relative_l2(o2, ref) > 4 * 2.0 * base  # 4x the tolerance (run 1: 0.044 vs 0.0081)
+    assert relative_l2(o2, ref) > 4 * 2.0 * base  # 4x the tolerance (measured: 0.044 vs 0.0081, H200)
 
 
 @pytest.mark.parametrize("max_len_kind", MAX_LEN_KINDS)

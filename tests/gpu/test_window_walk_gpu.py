@@ -11,29 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from test_prefill_op_gpu import PATTERNS, _packed  # skips this module without CUDA, as it skips itself
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-from test_prefill_op_gpu import PATTERNS, _packed  # noqa: E402
-
-from vllm_sinks.v1.attention.ops import triton_prefill_attention as op  # noqa: E402
-from vllm_sinks.v1.attention.ops.prefill_attention_portable import choose_config, launch  # noqa: E402
-from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate  # noqa: E402
-from vllm_sinks.v1.attention.ops.gluon_window_attention import (  # noqa: E402
-    WalkLaunch,
-    walk_unavailable,
-)
-from vllm_sinks.v1.attention.ops.prefill_attention_reference import (  # noqa: E402
+from vllm_sinks.v1.attention.ops import triton_prefill_attention as op
+from vllm_sinks.v1.attention.ops.gluon_window_attention import WalkLaunch, walk_unavailable
+from vllm_sinks.v1.attention.ops.prefill_attention_portable import choose_config, launch
+from vllm_sinks.v1.attention.ops.prefill_attention_problem import validate
+from vllm_sinks.v1.attention.ops.prefill_attention_reference import (
     covered_rows,
     reference_prefill_attention,
     relative_l2,
     same_dtype_torch_error,
 )
 
-if walk_unavailable(torch.device("cuda")):
-    pytest.skip(walk_unavailable(torch.device("cuda")), allow_module_level=True)
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper_kernel(gate=walk_unavailable)]  # tests/gpu/conftest.py
 
 WINDOWS = dict(PATTERNS, **{
     "window-32": dict(is_causal=False, sliding_window_q=32, sliding_window_k=32),

@@ -1,6 +1,6 @@
 """Building blocks of the prefill-op tests: packed inputs, poisoned outputs, the tolerance rule.
 
-Tolerance rule (issue 3): the op's relative L2 error against the reference (fp32 reference for fp16 /
+Tolerance rule: the op's relative L2 error against the reference (fp32 reference for fp16 /
 bf16 inputs, fp64 for fp32 inputs) must be at most twice the error of the same computation done by
 PyTorch in the inputs' dtype (``same_dtype_torch_error``).
 """

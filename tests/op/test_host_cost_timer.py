@@ -1,6 +1,6 @@
 """The host-cost timer (benchmarks/kernels/host_cost.py) synchronises often enough that CUDA's launch
 queue never fills inside the timer (a full queue makes the CPU wait for the GPU, which the timer would
-then count as CPU cost: kernel log, run 12). CPU only: a counting stand-in for the synchronisation."""
+then count as CPU cost: docs/kernels/dispatch-table.md). CPU only: a counting stand-in for the synchronisation."""
 
 from __future__ import annotations
 

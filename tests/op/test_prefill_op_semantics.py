@@ -1,4 +1,4 @@
-"""The Triton prefill op against the reference: every case issue 3 lists, fp32 and fp16.
+"""The Triton prefill op against the reference: every semantic case of the op, fp32 and fp16.
 
 On a CPU these run through Triton's interpreter (bf16 is not trustworthy there: tests/gpu covers it).
 """

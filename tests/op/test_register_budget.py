@@ -1,6 +1,6 @@
 """The Hopper kernel's register budget (``gluon_window_attention.TIGHT`` / ``ROOMY``): a variant
 compiled at 168 registers runs three programs per SM; where that compile spills (Triton 3.9's ptxas
-13.4: MiMo 4 × 16384 ran 1.9 × slower spilling, session 17), its first output stands and the
+13.4: MiMo 4 × 16384 ran 1.9 × slower spilling, measured: H200, Triton 3.9.0), its first output stands and the
 variant runs unspilled at two programs per SM from its next call on. A stand-in kernel reports the
 spills a real compile would (``n_spills``, as Triton's compiled kernels do once loaded); the real
 compiles are checked on the CPU (``inspect_window_walk.py``, CI) and the GPU (tests/gpu)."""

@@ -1,7 +1,7 @@
 """How the Hopper window kernel spreads a call over the GPU (``WalkLaunch.chunking``): a program
 takes ``chunk`` consecutive tiles of one sequence and head group; the host knows the length bound
 and the total tokens, not each length. Whatever the lengths, the programs that have tiles must fit
-one wave, and a long image beside short ones must get the wave (issue 30's stream: its slowest
+one wave, and a long image beside short ones must get the wave (in a server's stream the slowest
 MiMo pass, 16201 + 965 + 341 tokens, gave its 16201 tokens 128 programs on 132 SMs)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_any_lengths_fit_one_wave_and_never_get_fewer_programs(monkeypatch, budg
         bound = max(lengths)
         chunk, num_chunks = walk.chunking(bound)
         assert chunk >= 4 and num_chunks == triton.cdiv(triton.cdiv(bound, t), chunk)
-        # never coarser than one wave's share per sequence (the plan before issue 30's stream) ...
+        # never coarser than one wave's share per sequence (the first of the two chunk rules) ...
         assert chunk <= _share_per_sequence(walk, bound)
         # ... and the busy programs fit one wave whenever the sequences fit one at all
         resident = sm_count * budget.programs_per_sm

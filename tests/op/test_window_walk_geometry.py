@@ -122,7 +122,7 @@ def _mimo_call():
 def test_integers_that_change_between_calls_are_not_specialised_on(monkeypatch):
     """Triton compiles (and a fresh process loads) a kernel variant per specialisation of its
     integer arguments (divisible by 16, equal to 1): the ones a server's new token counts move would
-    load a variant in ~1 of 16 calls (issue 30's stream)."""
+    load a variant in ~1 of 16 calls (a server's stream of new image sizes)."""
     if gw.gluon is None:
         pytest.skip(f"no Gluon: {gluon_api.IMPORT_ERROR}")
     monkeypatch.setattr(gw, "walk_unavailable", lambda device: None)

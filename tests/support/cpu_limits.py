@@ -13,7 +13,7 @@ import pytest
 #: layer that is not bf16 on a CPU with AMX tiles, where other x86 CPUs take its vector kernel; its
 #: message blames the alignment of the intermediate size. The tiny MoE families run in fp32, so on
 #: such a CPU vLLM 0.27.1 loads none of them (Granite-MoE SWA and MiMo-V2-Flash through the
-#: Transformers backend, GPT-OSS natively). Met on a 2-core Xeon with AMX (session 22), where the
+#: Transformers backend, GPT-OSS natively). Met on a 2-core Xeon with AMX (2026-12-04), where the
 #: full rows of 0.29.0 and 0.32.0 (MoE kernels chosen by what the layer supports) ran them all.
 #: Delete the entry when 0.27.1 leaves scripts/matrix.txt.
 REFUSALS = ("CPU fused-MoE AMX grouped-gemm kernel cannot be used",)

@@ -281,7 +281,7 @@ def test_a_table_without_tiles_has_none_and_its_tiles_are_read_by_group():
 
 
 def test_a_tile_written_before_tma_reads_as_cp_async():
-    """Tables of sessions 21-23 name tiles without ``tma``: they ran cp.async."""
+    """A table written before the ``tma`` field names tiles without it: they ran cp.async."""
     older = {key: value for key, value in CAPPED.items() if key != "tma"}
     assert fat.parse_table(tiled_document(older)).tiles == {(80, "bfloat16", False): CAPPED}
     tma = dict(CAPPED, maxnreg=None, tma=True)

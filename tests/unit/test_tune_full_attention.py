@@ -123,7 +123,7 @@ def test_the_fingerprint_is_of_code_not_of_comments():
 
 def test_the_fingerprint_is_the_same_under_every_python():
     """The device (Python 3.12) writes the tables and CI (3.11) checks them: the code is kept as
-    written, where ``ast.unparse`` requotes f-strings under 3.12 (the tables of session 23 read
+    written, where ``ast.unparse`` requotes f-strings under 3.12 (a table written on 3.12 read
     another fingerprint than CI's for the same files)."""
     code = 'def f(a):\n    return f"{a!r:>10}" + \'x\'  # why\n'
     assert tune._code_of(code) == 'def f(a):\n    return f"{a!r:>10}" + \'x\''

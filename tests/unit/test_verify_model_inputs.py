@@ -246,7 +246,7 @@ def test_bf16_yardstick_is_the_larger_of_native_and_hf_eagers_own_error():
     (against the fp32 reference), whichever is larger: a model whose bf16 rounding alone is large
     passes; a dropped sink, far beyond both, still fails."""
     kw = dict(wanted={0}, reference="float32", bf16_sink_kernel=False)
-    # the tiny GPT-OSS of session 15: backend 0.1195, native 0.0932, HF's own bf16 0.125
+    # a tiny GPT-OSS on 0.32.0 (2026-12-01): backend 0.1195, native 0.0932, HF's own bf16 0.125
     assert vm.verdict(_run(dtype="bfloat16", mean_abs_delta=0.1195, sink_layers=[0]), native_mean=0.0932,
                       **kw) .startswith("FAIL: mean |Δ| 0.1195 > 0.1118 (1.2x native)")
     assert vm.verdict(_run(dtype="bfloat16", mean_abs_delta=0.1195, sink_layers=[0]), native_mean=0.0932,

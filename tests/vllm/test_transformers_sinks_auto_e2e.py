@@ -33,7 +33,7 @@ if transformers_sinks._era(detect_vllm()) != "upstream-fix":
                 allow_module_level=True)
 
 MODELS = tiny_models.REMOTE_CODE_MODELS + ("gpt_oss",)
-#: fp32 against HF eager (issue 20). Measured on 0.32.0: 2.5e-6 (remote-code models).
+#: fp32 against HF eager. Measured on 0.32.0: 2.5e-6 (remote-code models).
 FP32_BOUND = 2e-3
 ENV_VAR = "VLLM_SINKS_TRANSFORMERS_SINKS"
 UPSTREAM_REFUSAL = "applies attention sinks, but they were not passed to Attention"

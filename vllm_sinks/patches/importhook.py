@@ -31,7 +31,7 @@ see the usual loader), runs the body, then calls the callbacks. Properties:
   module): the child marks it done (:func:`interrupted_by_fork` names it), so the registry can
   finish the interrupted patch there at once instead of waiting for an import that would block.
 
-Why not wrapt's post-import hooks (``wrapt.register_post_import_hook``): weighed for issue 22 and not
+Why not wrapt's post-import hooks (``wrapt.register_post_import_hook``): weighed and not
 taken. A name already in ``sys.modules`` fires its hook at once, even while that module's body is
 still running (the mid-import case above, where we wait for the body); hooks fire once per name, so
 a reload that undoes a patch is not seen; a hook that raises fails the target's import; and hooks run

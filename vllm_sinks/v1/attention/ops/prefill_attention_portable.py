@@ -14,7 +14,7 @@ Design (H200, MiMo's 32/8 heads, D 64, window 64 is the case that set the shape 
 - A tile's key band is one software-pipelined loop; only its edge blocks (the first and last, for a
   window) apply the visibility mask, behind a tile-uniform branch. Banded shapes run 16-key steps
   with a register cap for 6 programs per SM. The kernel is issue-bound there (Nsight Compute), so
-  per-tile instructions are what the layout minimises: docs/notes/prefill-kernel-log.md.
+  per-tile instructions are what the layout minimises: docs/kernels/portable.md.
 - Key 0 under ``sinks_bias_key0`` is folded into the initial softmax state (like the null logit is),
   so no block of the loop carries the bias.
 """
@@ -43,7 +43,7 @@ def _visible_range(pos_q, seq_len, window_q, window_k, IS_CAUSAL: tl.constexpr,
 
     Computed once per tile, so masking a key block costs two compares and a select per score
     (the per-block form, one subtraction, compare and select per condition, was ~70 instructions
-    per warp for a 64 × 16 block: SASS, run 5).
+    per warp for a 64 × 16 block, read in the SASS).
     """
     row_lo = pos_q * 0
     row_hi = pos_q * 0 + seq_len - 1
@@ -262,7 +262,7 @@ def _attend_tile(Q, K, V, O, Sinks, seq_start, seq_len, q_start, head_group, qk_
 
     # Valid rows always have l_i > 0 (a query sees itself); padding rows are not stored. One
     # reciprocal per row and a multiply per element: a full-precision divide per element cost ~100
-    # instructions per warp in the epilogue (SASS, run 5).
+    # instructions per warp in the epilogue (read in the SASS).
     inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     out = acc * inv_l[:, None]
     o_ptrs = (O + (seq_start + pos_q.to(tl.int64))[:, None] * stride_ot
@@ -387,10 +387,10 @@ def _block_d(p: problem.Problem) -> int:
 
 
 def choose_config(p: problem.Problem) -> LaunchConfig:
-    """Tile shape by problem shape (H200 measurements: docs/notes/prefill-kernel-log.md).
+    """Tile shape by problem shape (H200 measurements: docs/kernels/portable.md).
 
     Banded attention (a window) visits only BLOCK_T + wq + wk keys per tile, so the per-tile work is
-    short and the instruction count per tile decides (issue-bound per Nsight Compute, run 5): 64
+    short and the instruction count per tile decides (issue-bound per Nsight Compute): 64
     rows (the GP query heads of a KV head × BLOCK_T tokens), 16 keys per step, 4 warps, capped at 80
     registers (no spill per ptxas: 6 programs per SM), and one key loop that masks only its edge
     blocks. Full attention keeps long key loops, mostly mask-free: 128 rows, 8 warps, masked edges

@@ -30,7 +30,7 @@ dims, dtypes, causal or not, query / KV heads, length buckets 2**6 … 2**14):
   timed on the group's classes of ``TILE_BUCKETS``, the fastest kept where it beats the default
   by ``TILE_MARGIN`` (the table's ``tiles``, with every candidate's time); the classes are then
   timed with the chosen tile, which the front door reads from the same table
-  (``full_attention_table.tile_of``), so the verdicts are of the tile users run.
+  (``full_attention_table.route``), so the verdicts are of the tile users run.
 
 Compiling is most of the cost on a fresh machine (~1–2 s per kernel variant): with ``--jobs N``
 (default: the CPU count - 1, at most 15) worker processes first make one call of each op on each
@@ -346,14 +346,14 @@ def measure_class(group, heads, bucket, ours, upstream, sync, device, fill) -> d
 
 def tile_candidates(head_dim: int, causal: bool) -> list[dict]:
     """The tiles timed for a group, the kernel's default first. What the compiler does with a
-    tile moves between Triton releases (session 21: ptxas 12.9 of 3.8.0 spilled at head dim 128
+    tile moves between Triton releases (ptxas 12.9 of 3.8.0 spilled at head dim 128
     where 3.9.0's did not, and held 206 registers at head dim 64 where 3.7.1 and 3.9.0 held 161),
     so each release's table measures them: the default with a cap of 168 registers (three
     64-row programs of 128 threads fit the 65536 registers of an SM, two at more than 170); the
     default's other schedule (P · V deferred, or softmax overlapped); the default with neither;
-    and keys and values by TMA (123-155 registers and no spill under every release, session 24)
+    and keys and values by TMA (123-155 registers and no spill under every release)
     in the default's schedule, the other one, and two slots with neither. (32-key blocks, timed
-    in session 23, lost by 9-38 % in every group and release.) Where TMA cannot read a call
+    on the H200, lost by 9-38 % in every group and release.) Where TMA cannot read a call
     (``gluon_full_attention.tma_unavailable``), a TMA tile runs its schedule by cp.async."""
     default = gf.default_tile(causal)._asdict()
     other = dict(default, defer_pv=default["overlap"], overlap=default["defer_pv"])
@@ -504,7 +504,7 @@ def print_table(doc: dict) -> None:
               + " | ".join(cells) + " |")
 
 
-#: Issue 30's target: upstream time / ours at least this, on encoder shapes from 1k tokens on.
+#: The encoder target: upstream time / ours at least this, on encoder shapes from 1k tokens on.
 TARGET_RATIO, TARGET_BUCKETS = 1.3, tuple(range(10, 15))
 
 
