@@ -314,7 +314,9 @@ def apply(info: VllmInfo) -> str:
     except _ModelUnavailable as e:
         raise RuntimeError(f"nothing to patch: {e}") from e
     path, facts = _classify(cls)
-    fixed = "" if path == DROPS_SINKS else _slicing(facts)[1]
+    # what upstream's slicing gets wrong, else what it does right (the report line says which)
+    problems, fixed = ([], "") if path == DROPS_SINKS else _slicing(facts)
+    upstream = "; ".join(f"upstream {p}" for p in problems) or fixed
     if path == DROPS_SINKS:
         # Fail here, not at the first image, if our op cannot import; without importing it now
         # (Triton and our kernels cost ~60 ms, 12 % of vLLM's own import of the MiMo module).
@@ -328,4 +330,4 @@ def apply(info: VllmInfo) -> str:
     install.install(cls, METHOD_NAME, new, PATCH_NAME)
     active = getattr(getattr(cls, METHOD_NAME), "sink_semantics", semantics)
     return (f"{where}, {fork.describe_semantics(active)}, sinks sliced by the ViT's own head partition"
-            + (f" ({fixed})" if fixed else ""))
+            + (f"; {upstream}" if upstream else ""))
