@@ -115,8 +115,8 @@ def test_version_facts_are_stated_once():
             if "49815" in line:
                 assert "unverified" not in line.split("49815", 1)[1][:120], f"{path}: {line}"
     assert KEY0_SINK_MODE_SINCE in docs.render_version_facts(NEWEST_TESTED)
-    # The supported range, where prose names it ("Supported vLLM: 0.27.1 … 0.33.0", "outside
-    # 0.27.1 … 0.33.0"), is the registry's.
+    # The supported range, where prose names it ("Supported vLLM: MIN … NEWEST", "outside MIN …
+    # NEWEST"), is the registry's.
     supported = re.compile(r"(?i)(?:supported[\w :*]*?|outside\s+)(\d+\.\d+\.\d+) … (\d+\.\d+\.\d+)")
     for path in [p for p in PROSE if p.suffix == ".md"]:
         for low, high in supported.findall(path.read_text()):
