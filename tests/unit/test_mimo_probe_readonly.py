@@ -86,7 +86,8 @@ UPSTREAM_SOURCE = textwrap.dedent(f"""
 
 
 def _load(model, rank_line=GLOBAL_RANK, source=UPSTREAM_SOURCE):
-    exec(compile(source.replace("RANK_LINE", rank_line), "<fake mimo_v2_omni>", "exec"), model.__dict__)  # noqa: S102
+    code = compile(source.replace("RANK_LINE", rank_line), "<fake mimo_v2_omni>", "exec")
+    exec(code, model.__dict__)  # noqa: S102
     return model
 
 

