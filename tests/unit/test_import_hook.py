@@ -399,7 +399,8 @@ def pathlib_root():
 
 
 def test_version_outside_range_arms_nothing(fake, monkeypatch):
-    monkeypatch.setattr(lifecycle, "detect_vllm", lambda: VllmInfo("vllm", "0.40.0", _info("0.40.0").version,
+    # older than the oldest supported release (a newer one is probed as usual: test_registry.py)
+    monkeypatch.setattr(lifecycle, "detect_vllm", lambda: VllmInfo("vllm", "0.26.0", _info("0.26.0").version,
                                                                   None, None))
     _use(monkeypatch, fake.patch())
     (result,) = vllm_sinks.register()

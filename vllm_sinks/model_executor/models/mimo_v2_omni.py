@@ -233,10 +233,12 @@ def _through(op, q, k, v, cu_seqlens, max_seqlen, window, sinks, key0, softmax_s
 def vit_partition_rank(attn: Any) -> int:
     """Index of the head partition this rank's ``MiMoVisionAttention`` computes.
 
-    Upstream stores the *global* tensor-parallel rank in ``attn.tp_rank`` even when the ViT runs
-    data-parallel (``is_vit_use_data_parallel()``: ``attn.tp_size == 1``, every rank holds all
-    heads). The QKV projection knows which shard it really computes (``disable_tp`` sets its
-    ``tp_rank`` to 0), so we ask it first; the fallback reads the same thing off ``tp_size``.
+    Releases before ``vllm_sinks.patches.DATA_PARALLEL_VIT_RANK_SINCE`` store the *global*
+    tensor-parallel rank in ``attn.tp_rank`` even when the ViT runs data-parallel
+    (``is_vit_use_data_parallel()``: ``attn.tp_size == 1``, every rank holds all heads); later ones
+    store 0 there. The QKV projection knows which shard it really computes (``disable_tp`` sets its
+    ``tp_rank`` to 0), so we ask it first; the fallback reads the same thing off ``tp_size``: right
+    on either.
     """
     qkv = getattr(attn, "qkv", None)
     rank = getattr(qkv, "tp_rank", None)
