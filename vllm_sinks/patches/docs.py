@@ -6,6 +6,9 @@ What goes where: README.md keeps what a user reads first (what each patch fixes,
 CI tests); docs/patches.md every field of every patch, the env vars and the version facts;
 CHANGELOG.md, under the newest version, what each patch fixes on which vLLM releases.
 
+The CI matrix also gives two whole files: .buildkite/pipeline.yml and vllm_sinks/ci_tested.json (what
+`vllm-sinks report` says CI tests; scripts/ci_matrix.py renders them).
+
 Each generated block sits between ``<!-- NAME:begin ... -->`` and ``<!-- NAME:end -->`` markers in
 its file; the text around the markers is hand-written. ``vllm-sinks docs`` edits a source checkout:
 the one given by ``--root``, else the one it is run in (the current directory or a parent holding
@@ -209,4 +212,10 @@ def sync_docs(check: bool = False, root: pathlib.Path | None = None) -> list[str
             stale.append(name)
             if not check:
                 path.write_text(new)
+    # Files generated whole from scripts/matrix.txt: the Buildkite pipeline, the package's ci_tested.json.
+    for path, text in load_ci_matrix(root).generated().items():
+        if not path.is_file() or path.read_text() != text:
+            stale.append(path.relative_to(root).as_posix())
+            if not check:
+                path.write_text(text)
     return stale
