@@ -5,6 +5,7 @@
 #   scripts/venv.sh 0.29.0        -> prints the venv path on its last line
 #   scripts/venv.sh none          -> a venv without vLLM (op tests, pure-Python units)
 #   scripts/venv.sh triton-3.9.0  -> torch + that Triton only (the Hopper kernel's compile check)
+#   scripts/venv.sh 0.29.0-newest -> builds (or reuses) the venv of row 0.29.0 first, then this one over it
 #
 # Layering: every venv stands on one shared base venv that holds torch 2.13 CPU and its dependencies
 # (a `.pth` line puts the base's site-packages after the venv's own). torch is the largest install by
@@ -63,7 +64,7 @@ fi
 vllm=${vllm:-$name}
 # A row venv stands on its base row's venv, built (or reused) first.
 under=""
-if [ "$install" = row ]; then under=$("$0" "$deps" | tail -n 1) || exit 1; fi
+if [ "$install" = row ]; then under=$("$0" "$deps" --as-base | tail -n 1) || exit 1; fi
 
 pip_in() {  # venv args...: quiet pip, pip's cache shared by all venvs
   local venv=$1; shift
@@ -125,6 +126,9 @@ if [ ! -f "$venv/.stamp" ] || [ "$(cat "$venv/.stamp")" != "$stamp_want" ]; then
   fi
   echo "$stamp_want" > "$venv/.stamp"
 fi
+# Asked as a row venv's base: done (its editable install is not on the row venv's path, and the base
+# may be running its own tests right now: test.sh's lanes).
+[ "${2:-}" != --as-base ] || { echo "$venv"; exit 0; }
 # Always point the editable install at the checkout that called us (a CI clone lives elsewhere).
 [ "$suite" = compile ] || "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo" >&2
 # What the venv holds, for the CI log and the summary (scripts/ci_summary.py reads it).
