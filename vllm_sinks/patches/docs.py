@@ -8,6 +8,9 @@ CHANGELOG.md, under the newest version, what each patch fixes on which vLLM rele
 of code, ``registry.NEWEST_TESTED``, from the matrix's newest vLLM release (so adding a release is
 one line of scripts/matrix.txt, then ``vllm-sinks docs``).
 
+The CI matrix also gives two whole files: .buildkite/pipeline.yml and vllm_sinks/ci_tested.json (what
+`vllm-sinks report` says CI tests; scripts/ci_matrix.py renders them).
+
 Each generated block sits between ``<!-- NAME:begin ... -->`` and ``<!-- NAME:end -->`` markers in
 its file; the text around the markers is hand-written. ``vllm-sinks docs`` edits a source checkout:
 the one given by ``--root``, else the one it is run in (the current directory or a parent holding
@@ -266,4 +269,10 @@ def sync_docs(check: bool = False, root: pathlib.Path | None = None) -> list[str
             stale.append(name)
             if not check:
                 path.write_text(new)
+    # Files generated whole from scripts/matrix.txt: the Buildkite pipeline, the package's ci_tested.json.
+    for path, text in load_ci_matrix(root).generated().items():
+        if not path.is_file() or path.read_text() != text:
+            stale.append(path.relative_to(root).as_posix())
+            if not check:
+                path.write_text(text)
     return stale

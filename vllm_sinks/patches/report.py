@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sinks import patches
+from vllm_sinks import ci_coverage, patches
 from vllm_sinks.patches.lifecycle import apply_everything
 from vllm_sinks.patches.registry import Status, VllmInfo, detect_vllm
 from vllm_sinks.version import __version__
@@ -20,8 +20,10 @@ def format_report(info: VllmInfo | None = None) -> str:
         f"vLLM         {info.describe()}   ({info.standing()})",
         f"transformers {info.transformers or 'not installed'}",
         f"torch        {info.torch or 'not installed'}",
-        "",
     ]
+    # Whether CI runs this vLLM, transformers and kernels (the matrix, shipped as package data).
+    _, _, kernels, hub_active = ci_coverage.installed()
+    lines += [f"CI           {ci_coverage.coverage(info.raw_version, info.transformers, kernels, hub_active)}", ""]
     width = max(len(p.name) for p in listed)
     env_width = max(len(p.env_var) for p in listed)
     status_width = max(len(s.value) for s in Status)

@@ -193,6 +193,7 @@ def _kv_head_note(family: str, model_dir, layers: list[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from vllm_sinks import ci_coverage
     from vllm_sinks.patches import transformers_sinks
     from vllm_sinks.patches.registry import detect_vllm
     from vllm_sinks.verify import differential, tiny_models
@@ -296,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   unreachable_why=GUARD_UNREACHABLE.get(era, "stops before attention runs here"), may_not_load=MAY_NOT_LOAD.get(row.family))
     mode = ("patch forced on (SinkFuser for every model; auto leaves the sinks upstream resolves to upstream)"
             if era == "upstream-fix" else "patch applied by default")
+    print(f"\nCI: {ci_coverage.line()}")  # whether CI runs this vLLM, transformers and kernels
     print(f"\nvllm-sinks verify: {differential.environment_line()}; TP={args.tp}; {mode}; HF eager fp32 reference; "
           f"{'bf16-only' if bf16_kernel else 'native-dtype'} sinks in the CPU kernel; "
           f"{time.monotonic() - start:.0f} s\n")
