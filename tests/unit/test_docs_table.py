@@ -58,16 +58,17 @@ def test_adding_a_release_is_one_matrix_line_then_docs(tmp_path):
     matrix = root / "scripts" / "matrix.txt"
     rows = matrix.read_text().splitlines(keepends=True)
     last = max(i for i, line in enumerate(rows) if re.match(rf"{re.escape(str(NEWEST_TESTED))}\s", line))
-    rows.insert(last + 1, f"{newer:<15}wheel     0.32.0  5.22.2        3.8.0   probe\n")
+    rows.insert(last + 1, f"{newer:<15}wheel     0.32.0  5.22.2        none     3.8.0   probe\n")
     matrix.write_text("".join(rows))
-    stale = {"README.md", "docs/patches.md", "CHANGELOG.md", docs.CODE}
+    stale = {"README.md", "docs/patches.md", "CHANGELOG.md", ".buildkite/pipeline.yml", "vllm_sinks/ci_tested.json",
+             docs.CODE}
     assert set(sync_docs(check=True, root=root)) == stale
     assert set(sync_docs(root=root)) == stale and not sync_docs(check=True, root=root)
     assert f'NEWEST_TESTED = Version("{newer}")' in (root / docs.CODE).read_text()
     assert f"Supported vLLM: {SUPPORTED_MIN} … {newer} tested" in (root / "CHANGELOG.md").read_text()
     assert newer in (root / "README.md").read_text()
     # A row that resolves its release when CI runs names none: the newest named one still counts.
-    matrix.write_text(matrix.read_text() + "newest         wheel     0.32.0  5.22.2        3.8.0   probe\n")
+    matrix.write_text(matrix.read_text() + "newest         newest    newest  newest        newest   newest  probe\n")
     assert docs.newest_tested(root) == Version(newer)
 
 
