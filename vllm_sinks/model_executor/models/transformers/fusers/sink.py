@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx, nn
 
+from vllm_sinks.model_executor.models.transformers.fx_utils import through
+
 logger = logging.getLogger(__name__)
 
 #: Forward parameters that carry the KV cache object (name changed across transformers versions).
@@ -166,7 +168,13 @@ class _SinkTracer(fx.Tracer):
 
     def call_module(self, m, forward, args, kwargs):
         # While a leaf runs on meta tensors its children run for real, not as nodes.
-        return forward(*args, **kwargs) if self.evaluating else super().call_module(m, forward, args, kwargs)
+        if self.evaluating:
+            return forward(*args, **kwargs)
+        try:
+            self.path_of_module(m)
+        except NameError:  # outside the tree (a hub-kernel Func): fx has no path for a call_module
+            return self.create_proxy("call_function", through(m), args, kwargs)  # one leaf node, valued
+        return super().call_module(m, forward, args, kwargs)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         # ... and read their (meta) parameters as tensors, not as get_attr nodes.
@@ -188,11 +196,13 @@ class _SinkTracer(fx.Tracer):
             if kind == "get_attr":
                 return _meta_values(operator.attrgetter(target)(self.root))
             args, kwargs = _meta_values(args), _meta_values(kwargs)
-            if kind == "call_function":
-                return target(*args, **kwargs)
             if kind == "call_method":
                 return getattr(args[0], target)(*args[1:], **kwargs)
-            module = self.root.get_submodule(target)  # call_module
+            foreign = getattr(target, "__wrapped__", None) if kind == "call_function" else None
+            if kind == "call_function" and not isinstance(foreign, nn.Module):
+                return target(*args, **kwargs)
+            # call_module, or a call of a module outside the tree: run it with its state on meta.
+            module = foreign if kind == "call_function" else self.root.get_submodule(target)
             state = itertools.chain(module.named_parameters(), module.named_buffers())
             return torch.func.functional_call(module, dict(_meta_values(list(state))), args, kwargs)
         except Exception:  # noqa: BLE001 - unknown is an answer; fatal only if a later question needs it
