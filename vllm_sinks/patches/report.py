@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sinks import patches
+from vllm_sinks import hub_kernels, patches
 from vllm_sinks.patches.lifecycle import apply_everything
 from vllm_sinks.patches.registry import SUPPORTED_MAX, SUPPORTED_MIN, Status, VllmInfo, detect_vllm
 from vllm_sinks.version import __version__
@@ -19,7 +19,8 @@ def format_report(info: VllmInfo | None = None) -> str:
         f"vllm-sinks   {__version__}",
         f"vLLM         {info.describe()}   (supported {SUPPORTED_MIN} … {SUPPORTED_MAX}"
         + ("" if info.supported or not info.installed else ": OUTSIDE, nothing patched") + ")",
-        f"transformers {info.transformers or 'not installed'}",
+        # transformers, its `kernels` and whether hub kernels are active (one line; CI's word on the pair: ci=)
+        hub_kernels.describe(),
         f"torch        {info.torch or 'not installed'}",
         "",
     ]

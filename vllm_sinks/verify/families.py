@@ -257,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env_on = {ENV_VAR: "on"} if era == "upstream-fix" else {}
     envs = {"on": env_on, "off": {ENV_VAR: "off"}, "numerics_off": {**env_on, NUMERICS_ENV_VAR: "off"}}
     total, done = sum(len(batch) for batch in jobs.values()), 0
+    print(f"vllm-sinks verify: {differential.environment_line()}", flush=True)
     print(f"vllm-sinks verify: {total} vLLM runs at TP={args.tp} ({len(jobs['on'])} with the patch, "
           f"{len(jobs['off'])} without, {len(jobs['numerics_off'])} with transformers-bf16-numerics off), "
           "one line each as it finishes", flush=True)

@@ -490,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say = lambda s: print(s, flush=True)  # noqa: E731
     try:
         prompts = read_prompts(args.prompts) if args.prompts else None
-        say(f"vllm-sinks verify --model {args.model}: checking the checkpoint and the prompts")
+        say(f"vllm-sinks verify --model {args.model}: {environment}; checking the checkpoint and the prompts")
         plan = prepare(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code, tp=args.tp,
                        max_model_len=args.max_model_len, prompts=prompts, prompts_origin=args.prompts,
                        continuation=args.continuation, device=device,
