@@ -76,6 +76,7 @@ class Row:
     hf_own: float | None = None  # bf16: HF eager in bf16 (PyTorch's own rounding on this model)
     sinks: str = ""  # "3/3": layers with has_sink / layers with a sink in the checkpoint
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    largest: dict[str, float] = dataclasses.field(default_factory=dict)  # setting -> max |Δ| (the JSON's)
     note: str = ""
     verdict: str = ""
     model: str = ""  # the tiny model measured, where not the family's own (bf16: real attention shapes)
@@ -283,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row.errors[setting] = result["error"].splitlines()[0][:400]
                 continue
             setattr(row, setting, _delta(result, refs[(row.family, row.dtype)][1]))
+            row.largest[setting] = max(abs(a - b) for a, b in zip(result["logprobs"], refs[(row.family, row.dtype)][1]))
             if setting == "on" and row.dtype == "float32":
                 wanted = {int(n) for name in tiny_models.sink_parameters(dirs[(row.family, row.dtype)])
                           for n in name.split(".") if n.isdigit()}
