@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx, nn
 
-from vllm_sinks.model_executor.models.transformers.fx_utils import through
+from vllm_sinks.model_executor.models.transformers.fx_utils import forward_functions, through
 
 logger = logging.getLogger(__name__)
 
@@ -334,8 +334,8 @@ def _instance_token(module: nn.Module, name: str) -> tuple:
 def _forwards(module: nn.Module) -> list[Callable]:
     """The module's forward functions, unwrapped: one bound on the instance (fusers may bind a
     rewritten forward there), then those of its classes, nearest first."""
-    found = [vars(module).get("forward")] + [vars(klass).get("forward") for klass in type(module).__mro__]
-    return [inspect.unwrap(getattr(fn, "__func__", fn)) for fn in found if fn is not None]
+    own = vars(module).get("forward")
+    return ([inspect.unwrap(getattr(own, "__func__", own))] if own is not None else []) + forward_functions(type(module))
 
 
 def forward_function(module: nn.Module) -> Callable:
