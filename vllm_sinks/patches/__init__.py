@@ -149,7 +149,8 @@ PATCHES: tuple[Patch, ...] = (
         hooks="vllm_sinks.patches.transformers_trace",
         summary=(
             "Transformers backend: upstream's fx trace reads through transformers 5.24's "
-            "`@deprecate_kwarg`-wrapped attention forwards, so the QKV/MLA fusers match (GPT-OSS "
+            "`@deprecate_kwarg`-wrapped attention forwards and the hub-kernel modules they call "
+            "(transformers 5.20+ with `kernels`), so the QKV/MLA fusers match (GPT-OSS "
             "attention is sharded at TP > 1; HY V4 fuses as MLA)"
         ),
         modules=TRANSFORMERS_BACKEND,
