@@ -14,6 +14,9 @@ concrete and shape code runs as plain Python. The forward is traced unwrapped (t
 wraps it in ``@deprecate_kwarg``, whose ``*args, **kwargs`` fx cannot turn into placeholders), with
 the KV cache fixed to None and ``**kwargs`` to ``{}``: vLLM passes neither, and neither changes which
 tensor reaches ``s_aux``. fx traces a view of the module, never the module (:func:`_tracing_view`).
+A call of a module outside the tree (a hub-kernel ``Func`` of transformers >= 5.20 with ``kernels``,
+at module level or in ``_kernel_funcs``; a module held in a plain attribute), which stock fx cannot
+record, is one ``call_function`` node valued on meta tensors: the trace goes on past it.
 
 Traces are cached per class, but an answer is reused only for an instance whose every attribute the
 trace read (``sinks``, ``sliding_window``, ``config`` ...) matches (the way dynamo guards a graph), so
