@@ -121,9 +121,11 @@ def coverage(vllm: str | None, transformers: str | None, kernels: str | None, hu
                                              "; no CI row runs this vLLM")
 
 
-def line() -> str:
-    """The coverage line for this environment (`vllm-sinks verify` prints it in its header)."""
-    return coverage(*installed())
+def line(hub_active: bool | None = None) -> str:
+    """The coverage line for this environment (`vllm-sinks report` and `verify` print it). ``hub_active``:
+    what the caller saw by feature (hub_kernels.detect); None reads it from the packages' metadata."""
+    vllm, transformers, kernels, declared = installed()
+    return coverage(vllm, transformers, kernels, declared if hub_active is None else hub_active)
 
 
 def main(argv: list[str]) -> int:

@@ -9,7 +9,9 @@ model through a spy attention interface that records which tensor object each mo
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 
 import pytest
 
@@ -377,3 +379,170 @@ def test_tracing_leaves_the_module_and_the_process_as_they_were(cls):
             AttentionInterface.get_interface, AttentionInterface.__getitem__) == process
     out, _ = module(torch.randn(1, 5, 32))  # still runs for real
     assert out.shape == (1, 5, 32) and math.isfinite(out.sum().item())
+
+
+# ---- what transformers releases wrap around what forward calls ---------------------------------------
+# Hub kernels (transformers >= 5.20 with a `kernels` in its range) make functions `Func` modules held
+# at module level and in the attention module's `__dict__["_kernel_funcs"]`, outside the module tree;
+# `use_kernelized_func` (kernels >= 0.18) also wraps `forward` with functools.wraps.
+
+
+class _Rotate(nn.Module):
+    """A module held outside every model's tree, as a hub-kernel ``Func`` is."""
+
+    def forward(self, q, k):
+        return q.flip(-1), k.flip(-1)
+
+
+ROTATE = _Rotate()  # module level, as `apply_rotary_pos_emb` is under hub kernels
+
+
+def _rotate_function(q, k):
+    return q.flip(-1), k.flip(-1)
+
+
+class _Rotating(NestedOwner):
+    def rotate(self, q, k):
+        raise NotImplementedError
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        q = self.q_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        q, k = self.rotate(q, k)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        out, _ = interface(self, q, k, k, attention_mask, s_aux=self.s_aux())
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
+class ModuleLevelFunc(_Rotating):
+    def rotate(self, q, k):
+        return ROTATE(q, k)
+
+
+class KernelFuncsDict(_Rotating):
+    def __init__(self):
+        super().__init__()
+        self.__dict__.setdefault("_kernel_funcs", {})["rotate"] = _Rotate()  # not a submodule
+
+    def rotate(self, q, k):
+        return self._kernel_funcs["rotate"](q, k)
+
+
+class CallableAttribute(_Rotating):
+    def __init__(self):
+        super().__init__()
+        self.rotate_fn = _rotate_function  # a plain function held in an attribute
+
+    def rotate(self, q, k):
+        return self.rotate_fn(q, k)
+
+
+class UnregisteredModuleAttribute(_Rotating):
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, "rotary", _Rotate())  # in __dict__, not in _modules
+
+    def rotate(self, q, k):
+        return self.rotary(q, k)
+
+
+def _context_wrapped(forward):
+    """What kernels' ``use_kernelized_func`` makes of ``forward``: a functools.wraps wrapper."""
+
+    @functools.wraps(forward)
+    def new_forward(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return new_forward
+
+
+class WrapsWrapped(ModuleLevelFunc):
+    forward = _context_wrapped(ModuleLevelFunc.forward)
+
+
+class DeprecateKwargAndWraps(KernelFuncsDict):
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    @_context_wrapped
+    @deprecate_kwarg("past_key_values", "99.0.0", new_name="cache")
+    def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
+        return super().forward(hidden_states, attention_mask, **kwargs)
+
+
+WRAPPER_KINDS = [ModuleLevelFunc, KernelFuncsDict, CallableAttribute, UnregisteredModuleAttribute, WrapsWrapped,
+                 DeprecateKwargAndWraps]
+
+
+@pytest.mark.parametrize("cls", WRAPPER_KINDS)
+def test_the_sink_is_found_through_what_forward_calls(cls):
+    module = cls()
+    site = SinkFuser().find(module)
+    assert site == AttentionSite(cls.__name__, SinkSite("extra.per_head_logit", "parameter"), 1), site
+    out, _ = module(torch.randn(1, 5, 32))  # the module itself is untouched and still runs
+    assert out.shape == (1, 5, 32)
+
+
+def test_a_call_outside_the_tree_is_one_valued_leaf():
+    graph = SinkFuser().trace(ModuleLevelFunc())
+    [leaf] = [n for n in graph.nodes if getattr(n.target, "__wrapped__", None) is ROTATE]
+    assert leaf.op == "call_function" and [a.op for a in leaf.args] == ["call_method", "call_method"]
+    assert leaf.meta["val"][0].shape == (1, 4, 16, 8)  # run on meta: what follows still has shapes
+    assert vars(sys.modules[__name__])["ROTATE"] is ROTATE  # the SinkFuser swaps no global
+
+
+def test_foreign_modules_are_traced_through_only_while_tracing():
+    from vllm_sinks.model_executor.models.transformers.fx_utils import (
+        forward_functions,
+        foreign_modules_traced_through,
+    )
+
+    class CallsRotate(nn.Module):
+        def forward(self, q, k):
+            return ROTATE(q, k)
+
+    module = CallsRotate()
+    with pytest.raises(NameError, match="not installed as a submodule"):
+        fx.symbolic_trace(module)  # what stock fx (and vLLM's trace) makes of a hub-kernel call
+    with foreign_modules_traced_through(module, forward_functions(type(module))) as swapped:
+        graph = fx.symbolic_trace(module).graph
+    assert swapped >= 1 and any(n.op == "output" for n in graph.nodes)
+    assert "flip" in {n.target for n in graph.nodes}  # traced through: its ops are in the graph
+    assert vars(sys.modules[__name__])["ROTATE"] is ROTATE
+
+
+try:  # the real `kernels` package, at whatever release this venv holds
+    import kernels
+except ImportError:
+    kernels = None
+
+if kernels is not None:
+    HUB_ROTATE = kernels.use_kernel_forward_from_hub("vllm_sinks_test_rotate")(_rotate_function)
+
+    @kernels.use_kernelized_func(HUB_ROTATE)
+    class HubKernelised(_Rotating):
+        def rotate(self, q, k):
+            return HUB_ROTATE(q, k)
+
+
+def test_kernels_decorators_are_read_through():
+    if kernels is None:
+        pytest.skip("the `kernels` package is not installed (transformers' hub kernels cannot be active)")
+    assert isinstance(HUB_ROTATE, nn.Module)  # what transformers' modeling files hold under hub kernels
+    module = HubKernelised()
+    assert "_kernel_funcs" in vars(module) and not dict(module.named_children()).keys() & {"HUB_ROTATE"}
+    site = SinkFuser().find(module)
+    assert site == AttentionSite("HubKernelised", SinkSite("extra.per_head_logit", "parameter"), 1), site
+
+
+@pytest.mark.parametrize("family", [f for f in ("gpt_oss", "granite_swa") if f in FAMILIES])
+def test_families_under_active_hub_kernels(family):
+    from vllm_sinks import hub_kernels
+
+    found = hub_kernels.detect()
+    if not found.active:
+        pytest.skip(f"hub kernels inactive here ({hub_kernels.stack_line(found.transformers, found.kernels, found.active)})")
+    model = _tiny_model(family)
+    attn = next(m for m in model.modules() if "_kernel_funcs" in vars(m))
+    assert any(isinstance(f, nn.Module) for f in attn._kernel_funcs.values())
+    site = SinkFuser().find(attn)
+    assert site.problem is None and site.sink == SinkSite("sinks", "parameter"), site

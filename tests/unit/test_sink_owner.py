@@ -130,6 +130,23 @@ def test_the_sinkfuser_finds_the_remote_models_sink(style, path):
         assert sink_owner.names_sink_keyword(attn)
 
 
+def test_a_sink_computed_in_forward_is_refused_at_load_with_the_guards_message():
+    from vllm_sinks.model_executor.models.transformers import base
+
+    model = _remote("scaled")
+    for name, site in SinkFuser().scan(model).items():
+        attn = model.get_submodule(name)
+        assert site.sink is None and "s_aux is the result of" in site.problem
+        with pytest.raises(ValueError) as refused:
+            base.refuse_unservable_sink(attn, site)
+        assert str(refused.value) == base.missing_sink_error("ScaledSinkAttention", attn.layer_idx, site.problem)
+    served = _remote("nested")
+    for name, site in SinkFuser().scan(served).items():
+        base.refuse_unservable_sink(served.get_submodule(name), site)  # a sink found: nothing to refuse
+    never_names_it = nn.Linear(2, 2)  # a problem on a module that passes no s_aux is no refusal
+    base.refuse_unservable_sink(never_names_it, UNKNOWN)
+
+
 def test_a_forward_that_never_names_s_aux_is_screened_out():
     from transformers.models.llama.modeling_llama import LlamaAttention
 

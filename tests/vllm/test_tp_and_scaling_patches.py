@@ -51,6 +51,24 @@ class WrappedAttention(nn.Module):
         return self.o_proj(q * k + v)
 
 
+class _Scale(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+HUB_SCALE = _Scale()  # held in the module's globals, outside every tree: what a hub-kernel Func is
+
+
+class HubKernelAttention(WrappedAttention):
+    """A wrapped forward that also calls a module outside its tree, as transformers' attention does
+    under hub kernels (``apply_rotary_pos_emb`` a kernels ``Func``)."""
+
+    @_wrapped
+    def forward(self, hidden_states, cache=None, **kwargs):
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        return self.o_proj(HUB_SCALE(q) * k + v)
+
+
 # ---- transformers-trace ---------------------------------------------------------------------------
 
 
@@ -75,6 +93,19 @@ def test_our_trace_reads_through_a_wrapped_forward_and_restores_it():
     assert _fx_utils()[1].trace is fx_utils.trace  # the name get_fuser calls
     assert {n.target for n in graph.nodes if n.op == "call_module"} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert WrappedAttention.__dict__["forward"] is forward
+
+
+def test_our_trace_reads_through_a_module_outside_the_tree_and_restores_it():
+    fx_utils, _ = _fx_utils()
+    with torch.device("meta"):
+        module = HubKernelAttention()
+    if ours_fx.complete(install.upstream(fx_utils.trace)(module)):
+        pytest.skip("upstream's trace reads through modules outside the tree here (the patch stands down)")
+    transformers_trace.apply(INFO)
+    graph = fx_utils.trace(module)
+    assert ours_fx.complete(graph)
+    assert {n.target for n in graph.nodes if n.op == "call_module"} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert globals()["HUB_SCALE"] is HUB_SCALE
 
 
 def test_the_probe_applies_exactly_where_upstream_cannot_trace_a_wrapper():

@@ -125,15 +125,21 @@ PATCHES: tuple[Patch, ...] = (
             "placeholders and no fuser matches. GPT-OSS's tensor parallel plan names no attention "
             "projection, so its q/k/v/o stay replicated while each rank's `Attention` is built for "
             "heads / TP heads: at TP=2 the model fails or answers wrong (issue: mean |Δ prompt "
-            "logprob| 0.92 vs HF; TP=1 3e-4)."
+            "logprob| 0.92 vs HF; TP=1 3e-4). With hub kernels active (transformers >= 5.20 with a "
+            "`kernels` in its range; 5.25 requires one) `apply_rotary_pos_emb` is a `kernels` `Func` "
+            "module outside the model's tree, and the trace ends there (`module is not installed as a "
+            "submodule`), before the projections."
         ),
         how=(
             "Our `trace` calls upstream's; where the graph has no output node and the class's "
             "`forward` is a `functools.wraps` wrapper, it traces again with the innermost function "
-            "bound as the class's `forward` for that call only (restored after). The fusers already "
+            "bound as the class's `forward` for that call only (restored after), and each module the "
+            "forwards' globals hold outside the tree a plain function calling its `forward` (traced "
+            "through; restored after). The fusers already "
             "rewrite that innermost function (`recover_forward` unwraps), so the QKV fusion shards "
             "GPT-OSS attention as on transformers without the wrapper. Probe: upstream's `trace` on "
-            "a two-linear module with a wrapped forward; stands down where it reaches the output, "
+            "a two-linear module with a wrapped forward calling a module outside its tree; stands "
+            "down where it reaches the output, "
             "or where the backend has no `fx_utils.trace`."
         ),
         remove_when=(
@@ -148,7 +154,8 @@ PATCHES: tuple[Patch, ...] = (
         hooks="vllm_sinks.patches.transformers_trace",
         summary=(
             "Transformers backend: upstream's fx trace reads through transformers 5.24's "
-            "`@deprecate_kwarg`-wrapped attention forwards, so the QKV/MLA fusers match (GPT-OSS "
+            "`@deprecate_kwarg`-wrapped attention forwards and the hub-kernel modules they call "
+            "(transformers 5.20+ with `kernels`), so the QKV/MLA fusers match (GPT-OSS "
             "attention is sharded at TP > 1; HY V4 fuses as MLA)"
         ),
         modules=TRANSFORMERS_BACKEND,

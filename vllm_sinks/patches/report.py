@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sinks import ci_coverage, patches
+from vllm_sinks import ci_coverage, hub_kernels, patches
 from vllm_sinks.patches.lifecycle import apply_everything
 from vllm_sinks.patches.registry import Status, VllmInfo, detect_vllm
 from vllm_sinks.version import __version__
@@ -15,15 +15,16 @@ def format_report(info: VllmInfo | None = None) -> str:
     # Unlike vLLM's processes (where each patch waits for vLLM to import its modules), the report
     # imports every target module and applies here: the full picture; drift shows up in apply() too.
     results = apply_everything(info)
+    stack = hub_kernels.detect()
     lines = [
         f"vllm-sinks   {__version__}",
         f"vLLM         {info.describe()}   ({info.standing()})",
-        f"transformers {info.transformers or 'not installed'}",
+        # transformers, its `kernels` and whether hub kernels are active (one line)
+        hub_kernels.stack_line(stack.transformers, stack.kernels, stack.active, stack.why),
         f"torch        {info.torch or 'not installed'}",
     ]
     # Whether CI runs this vLLM, transformers and kernels (the matrix, shipped as package data).
-    _, _, kernels, hub_active = ci_coverage.installed()
-    lines += [f"CI           {ci_coverage.coverage(info.raw_version, info.transformers, kernels, hub_active)}", ""]
+    lines += [f"CI           {ci_coverage.line(stack.active)}", ""]
     width = max(len(p.name) for p in listed)
     env_width = max(len(p.env_var) for p in listed)
     status_width = max(len(s.value) for s in Status)

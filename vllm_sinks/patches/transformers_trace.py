@@ -5,10 +5,12 @@ Targets (upstream modules ``vllm.model_executor.models.transformers.fx_utils`` a
 ``fx_utils.trace`` and the name ``fuser.trace``, which ``fuser`` imports at load time and
 ``get_fuser`` calls.
 
-Probe, by feature: trace a two-linear module whose ``forward`` is wrapped the way transformers'
-``@deprecate_kwarg`` wraps it (``functools.wraps``, ``*args, **kwargs``) with upstream's ``trace``.
-Upstream stops short of the output there (0.29 + transformers 5.24): apply. It reaches the output:
-stand down. A backend without ``fx_utils.trace`` (no fx fusers) has nothing to fix: stand down.
+Probe, by feature: trace with upstream's ``trace`` a two-linear module whose ``forward`` is wrapped
+the way transformers' ``@deprecate_kwarg`` wraps it (``functools.wraps``, ``*args, **kwargs``) and
+calls, between the linears, a module held in its globals outside the tree (what a hub-kernel ``Func``
+is). Upstream stops short of the output there (0.29 + transformers 5.24, or any release with hub
+kernels active): apply. It reaches the output: stand down. A backend without ``fx_utils.trace`` (no
+fx fusers) has nothing to fix: stand down.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def _modules():
 
 
 def _traces_wrapped_forward(trace) -> bool:
-    """Does ``trace`` reach the output of a module whose forward is a ``functools.wraps`` wrapper?"""
+    """Does ``trace`` reach the output of a module whose forward is a ``functools.wraps`` wrapper
+    calling a module from its globals that is not in its tree?"""
+    import types
+
     import torch
     from torch import nn
 
@@ -59,10 +64,14 @@ def _traces_wrapped_forward(trace) -> bool:
             super().__init__()
             self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
 
-        @deprecate_like
         def forward(self, x, cache=None, **kwargs):
-            return self.second(self.first(x))
+            return self.second(hub_func(self.first(x)))  # noqa: F821 - hub_func: the globals below
 
+    forward = WrappedTwoLinear.forward
+    # A function of its own globals: `hub_func` is a module there, as `apply_rotary_pos_emb` is a kernels
+    # Func in a modeling module's globals under hub kernels.
+    WrappedTwoLinear.forward = deprecate_like(types.FunctionType(
+        forward.__code__, {"__builtins__": __builtins__, "hub_func": nn.Identity()}, forward.__name__))
     with torch.device("meta"):
         module = WrappedTwoLinear()
     return complete(install.original(trace)(module))
@@ -75,8 +84,8 @@ def probe(info: VllmInfo) -> Probe:
     fx_utils, _ = found
     if _traces_wrapped_forward(fx_utils.trace):
         return Probe(False, "upstream's fx trace reads through wrapped forwards")
-    return Probe(True, "upstream's fx trace stops at a wrapped forward (transformers' @deprecate_kwarg): "
-                       "no fusion, GPT-OSS attention unsharded at TP > 1")
+    return Probe(True, "upstream's fx trace stops at a wrapped forward (transformers' @deprecate_kwarg) or "
+                       "at a hub-kernel module outside the tree: no fusion, GPT-OSS attention unsharded at TP > 1")
 
 
 def apply(info: VllmInfo) -> str:
@@ -88,4 +97,5 @@ def apply(info: VllmInfo) -> str:
     fx_utils, fuser = found
     install.install(fx_utils, "trace", ours.trace, PATCH)
     install.install(fuser, "trace", ours.trace, PATCH)
-    return "fx trace retried through the unwrapped forward (fusers match transformers 5.24 attention)"
+    return ("fx trace retried through the unwrapped forward and hub-kernel modules (fusers match "
+            "transformers 5.24+ attention)")

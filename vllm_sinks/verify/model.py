@@ -474,7 +474,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from vllm_sinks import ci_coverage
+    from vllm_sinks import ci_coverage, hub_kernels
     from vllm_sinks.patches import transformers_sinks
     from vllm_sinks.patches.registry import detect_vllm
     from vllm_sinks.verify import differential
@@ -491,8 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     say = lambda s: print(s, flush=True)  # noqa: E731
     try:
         prompts = read_prompts(args.prompts) if args.prompts else None
-        say(f"vllm-sinks verify --model {args.model}: checking the checkpoint and the prompts")
-        say(f"CI: {ci_coverage.line()}")  # whether CI runs this vLLM, transformers and kernels
+        say(f"vllm-sinks verify --model {args.model}: {environment}; checking the checkpoint and the prompts")
+        say(f"CI: {ci_coverage.line(hub_kernels.detect().active)}")  # does CI run this vLLM, transformers, kernels
         plan = prepare(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code, tp=args.tp,
                        max_model_len=args.max_model_len, prompts=prompts, prompts_origin=args.prompts,
                        continuation=args.continuation, device=device,

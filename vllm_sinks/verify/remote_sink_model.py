@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-SINK_STYLES = ("nested", "alias")
+SINK_STYLES = ("nested", "alias")  # the styles vllm-sinks serves; "scaled" it refuses at load
 
 #: The checkpoint's ``auto_map``: Auto class -> class of this file (vLLM's backend builds ``AutoModel``).
 AUTO_CLASSES = {"AutoConfig": "SinkRemoteConfig", "AutoModel": "SinkRemoteModel",
@@ -142,7 +142,25 @@ class AliasSinkAttention(_SinkAttentionBase):
         return self._output(out, hidden_states), weights
 
 
-_ATTENTION = {"nested": NestedSinkAttention, "alias": AliasSinkAttention}
+class ScaledSinkAttention(_SinkAttentionBase):
+    """``s_aux=self.sinks * 0.5``: a sink computed in forward, which no vLLM ``Attention`` can hold
+    (vllm-sinks refuses this style while the model loads)."""
+
+    def __init__(self, config: SinkRemoteConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                **kwargs):
+        q, k, v = self._project(hidden_states, position_embeddings, past_key_values)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, sink_eager_attention)
+        out, weights = attention_interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                                           s_aux=self.sinks * 0.5, **kwargs)
+        return self._output(out, hidden_states), weights
+
+
+_ATTENTION = {"nested": NestedSinkAttention, "alias": AliasSinkAttention, "scaled": ScaledSinkAttention}
 
 
 class _NoSinklessKernels:
@@ -159,7 +177,7 @@ class SinkRemoteModel(_NoSinklessKernels, LlamaModel):
     def __init__(self, config: SinkRemoteConfig):
         super().__init__(config)
         if config.sink_style not in _ATTENTION:
-            raise ValueError(f"sink_style {config.sink_style!r}: expected one of {', '.join(SINK_STYLES)}")
+            raise ValueError(f"sink_style {config.sink_style!r}: expected one of {', '.join(_ATTENTION)}")
         for index, layer in enumerate(self.layers):
             layer.self_attn = _ATTENTION[config.sink_style](config, index)
         self.post_init()

@@ -149,6 +149,11 @@ FAMILIES: tuple[str, ...] = tuple(name for name, spec in _SPECS.items()
 REALISTIC_SHAPES: dict[str, str] = {spec.variant_of: name for name, spec in _SPECS.items() if spec.variant_of}
 #: Tiny models that load only with ``trust_remote_code`` (their modeling file is in the checkpoint).
 REMOTE_CODE_MODELS: tuple[str, ...] = tuple(name for name, spec in _SPECS.items() if spec.remote_code)
+#: A remote-code model whose ``s_aux`` is computed in forward (``sinks * 0.5``): no vLLM ``Attention``
+#: can hold it, so vllm-sinks refuses it while it loads. Not among the models above, which it serves.
+REFUSED_MODEL = "remote_scaled_sink"
+_SPECS[REFUSED_MODEL] = FamilySpec("SinkRemoteConfig", "SinkRemoteForCausalLM", dict(_REMOTE, sink_style="scaled"),
+                                   remote_code=True)
 #: Name of the modeling file in a remote-code checkpoint (``auto_map`` points into it).
 REMOTE_MODELING_FILE = "modeling_vllm_sinks_remote.py"
 

@@ -84,6 +84,7 @@ def discover_sinks(model: nn.Module) -> dict[str, AttentionSite]:
         if site is None:
             continue
         sites[name] = _SITES[module] = site
+        refuse_unservable_sink(module, site)
         if site.problem is not None:
             logger.warning("vllm-sinks: %s (%s): cannot tell which sink it passes as s_aux: %s. "
                            "No sink is handed to vLLM for it; if it does apply one, its attention "
@@ -115,6 +116,8 @@ def take_over_missed_sinks(self, fuser_cls: type) -> dict[str, tuple[str, sink_o
         if not lookup.found and sink_owner.names_sink_keyword(module):
             site = SINK_FUSER.find(module)  # traced only where upstream did not find a parameter
         verdict = sink_owner.decide(lookup, site)
+        if not verdict.has_sink:
+            refuse_unservable_sink(module, site)
         if verdict.owner == sink_owner.OURS:
             _SITES[module] = site
         verdicts[name] = (type(module).__name__, verdict)
@@ -273,6 +276,15 @@ def missing_sink_error(module_class: str, layer: Any, reason: str | None) -> str
             f"softmax would be wrong. vllm-sinks could not find which tensor the module passes{why}. "
             "Use a native vLLM implementation (--model-impl vllm) where one exists, and report "
             f"{module_class} to vllm-sinks.")
+
+
+def refuse_unservable_sink(module: nn.Module, site: AttentionSite | None) -> None:
+    """At load: a module whose forward names ``s_aux`` but whose sink the SinkFuser could not find
+    would be refused at its first forward (:func:`check_sink_applied`); refuse it now, with the same
+    message, so the model fails while it loads (before a server reports it is up)."""
+    if site is None or site.problem is None or not sink_owner.names_sink_keyword(module):
+        return
+    raise ValueError(missing_sink_error(type(module).__name__, getattr(module, "layer_idx", "?"), site.problem))
 
 
 def create_attention_instances(self) -> dict[int, Any]:

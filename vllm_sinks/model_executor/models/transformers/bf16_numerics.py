@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import fx, nn
 
+from vllm_sinks.model_executor.models.transformers.fx_utils import through
 from vllm_sinks.patches import install
 
 logger = logging.getLogger("vllm_sinks")
@@ -171,7 +172,10 @@ def round_rotary_once(fn: Callable) -> Callable:
     (ours: fp32): the fp32 result rounded once. Same cos/sin dtype as q (any other model): as is."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        q_embed, k_embed = fn(q, k, cos, sin, *args, **kwargs)
+        # With hub kernels ``fn`` is a kernels ``Func`` module outside every model's tree, which fx
+        # cannot record: traced, its forward is traced through instead.
+        traced_module = isinstance(q, fx.Proxy) and isinstance(fn, nn.Module)
+        q_embed, k_embed = (through(fn) if traced_module else fn)(q, k, cos, sin, *args, **kwargs)
         # Under torch.fx (the backend's fusers, the SinkFuser among them, trace each attention
         # forward to read its graph, which is never run) a dtype comparison is a Proxy that cannot
         # be branched on: the trace would stop here, before the attention call, and the sink would

@@ -27,6 +27,14 @@ data-dependent code past its projections). The fusers already
 rewrite that innermost function (``recover_forward`` unwraps it), so what they fuse is the code they
 analysed.
 
+Hub kernels (transformers >= 5.20 with a ``kernels`` release in its range installed; 5.25 needs one)
+turn ``apply_rotary_pos_emb`` & co into ``kernels`` ``Func`` modules held in the modeling module's
+globals, outside every model's module tree. fx records a module call by its path in the tree, so the
+trace ends there (``NameError: module is not installed as a submodule``), before the projections
+upstream's fusers need. The retry also swaps, in the forwards' globals and only while it traces,
+each such foreign module for a plain function calling its ``forward`` (:func:`foreign_modules_traced_through`):
+fx traces through it as through any Python function.
+
 vLLM is imported lazily.
 """
 
@@ -34,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from torch import fx, nn
 
@@ -68,15 +76,61 @@ def unwrapped_forward(cls: type[nn.Module]) -> Iterator[None]:
             cls.forward = own
 
 
+def forward_functions(cls: type[nn.Module]) -> list[Callable]:
+    """The ``forward`` functions of ``cls`` and its bases (nearest first), each unwrapped."""
+    found = [vars(klass).get("forward") for klass in cls.__mro__]
+    return [inspect.unwrap(getattr(fn, "__func__", fn)) for fn in found if fn is not None]
+
+
+def through(foreign: nn.Module) -> Callable:
+    """A plain function calling ``foreign.forward`` (``__wrapped__``: the module)."""
+
+    def call_forward(*args: Any, **kwargs: Any) -> Any:
+        return foreign.forward(*args, **kwargs)  # its forward, not __call__: fx's hook never sees it
+
+    call_forward.__name__ = call_forward.__qualname__ = type(foreign).__name__
+    call_forward.__wrapped__ = foreign
+    return call_forward
+
+
+@contextlib.contextmanager
+def foreign_modules_traced_through(module: nn.Module, functions: Iterable[Callable]) -> Iterator[int]:
+    """For the duration, each ``nn.Module`` held in the globals of ``functions`` that is not in
+    ``module``'s tree (a hub-kernel ``Func``) is a plain function calling its ``forward`` there.
+    Yields how many were swapped. A forward of the same modeling module running meanwhile in another
+    thread would see the stand-in, which computes the same thing; vLLM traces while it builds."""
+    tree = {id(m) for m in module.modules()}
+    swapped = []
+    try:
+        for fn in functions:
+            namespace = getattr(fn, "__globals__", None) or {}
+            for name, value in list(namespace.items()):
+                # A namespace two functions share is swapped once: a stand-in is no module.
+                if isinstance(value, nn.Module) and id(value) not in tree:
+                    swapped.append((namespace, name, value))
+                    namespace[name] = through(value)
+        yield len(swapped)
+    finally:
+        for namespace, name, value in reversed(swapped):
+            namespace[name] = value
+
+
 def trace(module: nn.Module) -> fx.Graph | None:
     """Replacement of ``fx_utils.trace`` (and of the name ``fuser.trace``): upstream's trace, and a
-    second one through the unwrapped ``forward`` where the first stops short behind a wrapper."""
+    second one through the unwrapped ``forward`` and the foreign modules it calls where the first
+    stops short."""
     upstream = install.original(trace)
     graph = upstream(module)
     cls = type(module)
-    if complete(graph) or innermost_forward(cls) is cls.forward:
+    if complete(graph):
         return graph
-    with unwrapped_forward(cls):
+    wrapped = innermost_forward(cls) is not cls.forward
+    with contextlib.ExitStack() as retrying:
+        if wrapped:
+            retrying.enter_context(unwrapped_forward(cls))
+        foreign = retrying.enter_context(foreign_modules_traced_through(module, forward_functions(cls)))
+        if not wrapped and not foreign:
+            return graph
         retry = upstream(module)
     # Upstream's fusers work on partial graphs too (a trace may stop at data-dependent code); the
     # retry got past the wrapper, so whatever it reached is at least what the first one did.

@@ -14,6 +14,9 @@ concrete and shape code runs as plain Python. The forward is traced unwrapped (t
 wraps it in ``@deprecate_kwarg``, whose ``*args, **kwargs`` fx cannot turn into placeholders), with
 the KV cache fixed to None and ``**kwargs`` to ``{}``: vLLM passes neither, and neither changes which
 tensor reaches ``s_aux``. fx traces a view of the module, never the module (:func:`_tracing_view`).
+A call of a module outside the tree (a hub-kernel ``Func`` of transformers >= 5.20 with ``kernels``,
+at module level or in ``_kernel_funcs``; a module held in a plain attribute), which stock fx cannot
+record, is one ``call_function`` node valued on meta tensors: the trace goes on past it.
 
 Traces are cached per class, but an answer is reused only for an instance whose every attribute the
 trace read (``sinks``, ``sliding_window``, ``config`` ...) matches (the way dynamo guards a graph), so
@@ -36,6 +39,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
+
+from vllm_sinks.model_executor.models.transformers.fx_utils import forward_functions, through
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +171,13 @@ class _SinkTracer(fx.Tracer):
 
     def call_module(self, m, forward, args, kwargs):
         # While a leaf runs on meta tensors its children run for real, not as nodes.
-        return forward(*args, **kwargs) if self.evaluating else super().call_module(m, forward, args, kwargs)
+        if self.evaluating:
+            return forward(*args, **kwargs)
+        try:
+            self.path_of_module(m)
+        except NameError:  # outside the tree (a hub-kernel Func): fx has no path for a call_module
+            return self.create_proxy("call_function", through(m), args, kwargs)  # one leaf node, valued
+        return super().call_module(m, forward, args, kwargs)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         # ... and read their (meta) parameters as tensors, not as get_attr nodes.
@@ -188,11 +199,13 @@ class _SinkTracer(fx.Tracer):
             if kind == "get_attr":
                 return _meta_values(operator.attrgetter(target)(self.root))
             args, kwargs = _meta_values(args), _meta_values(kwargs)
-            if kind == "call_function":
-                return target(*args, **kwargs)
             if kind == "call_method":
                 return getattr(args[0], target)(*args[1:], **kwargs)
-            module = self.root.get_submodule(target)  # call_module
+            foreign = getattr(target, "__wrapped__", None) if kind == "call_function" else None
+            if kind == "call_function" and not isinstance(foreign, nn.Module):
+                return target(*args, **kwargs)
+            # call_module, or a call of a module outside the tree: run it with its state on meta.
+            module = foreign if kind == "call_function" else self.root.get_submodule(target)
             state = itertools.chain(module.named_parameters(), module.named_buffers())
             return torch.func.functional_call(module, dict(_meta_values(list(state))), args, kwargs)
         except Exception:  # noqa: BLE001 - unknown is an answer; fatal only if a later question needs it
@@ -324,8 +337,8 @@ def _instance_token(module: nn.Module, name: str) -> tuple:
 def _forwards(module: nn.Module) -> list[Callable]:
     """The module's forward functions, unwrapped: one bound on the instance (fusers may bind a
     rewritten forward there), then those of its classes, nearest first."""
-    found = [vars(module).get("forward")] + [vars(klass).get("forward") for klass in type(module).__mro__]
-    return [inspect.unwrap(getattr(fn, "__func__", fn)) for fn in found if fn is not None]
+    own = vars(module).get("forward")
+    return ([inspect.unwrap(getattr(own, "__func__", own))] if own is not None else []) + forward_functions(type(module))
 
 
 def forward_function(module: nn.Module) -> Callable:
