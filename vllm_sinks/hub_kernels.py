@@ -13,7 +13,8 @@ Imports nothing at import time; :func:`detect` imports transformers (and torch).
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
+
+from vllm_sinks.ci_coverage import dist_version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,13 +23,6 @@ class TransformersStack:
     kernels: str | None  # None: not installed
     active: bool | None  # hub kernels on; None: cannot tell (transformers missing or broken)
     why: str = ""  # what stopped the detection, when ``active`` is None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def hub_kernels_active() -> bool:
@@ -47,7 +41,7 @@ def hub_kernels_active() -> bool:
 
 
 def detect() -> TransformersStack:
-    transformers, kernels = _version("transformers"), _version("kernels")
+    transformers, kernels = dist_version("transformers"), dist_version("kernels")
     if transformers is None:
         return TransformersStack(None, kernels, None, "transformers is not installed")
     try:
