@@ -4,7 +4,7 @@ requirements admit, resolved at each CI run) or `untested`.
 
 What CI runs ships as package data, ``ci_tested.json``, generated from scripts/matrix.txt by
 ``vllm-sinks docs`` (the installed wheel has no scripts/; a test fails when the data is stale).
-Standard library only: `vllm-sinks report` and `verify` call it, and so does scripts/venv.sh:
+The standard library and `packaging` (the package's one dependency): `report`, `verify` and scripts/venv.sh call it:
 
     python -m vllm_sinks.ci_coverage --installed   # one line: what this environment holds
 """
@@ -17,8 +17,10 @@ import pathlib
 import re
 import sys
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
 DATA = pathlib.Path(__file__).with_name("ci_tested.json")
-_CLAUSE = re.compile(r"(~=|==|!=|<=|>=|<|>)\s*([0-9][0-9a-zA-Z.*]*)")
 
 
 def tested_rows() -> list[dict[str, str]]:
@@ -33,20 +35,8 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def _admits(spec: str, version: str) -> bool:
-    """Whether ``version`` meets every clause of a requirement's specifier (`<0.20,>=0.19.1`)."""
-    have = _release(version)
-    for op, bound in _CLAUSE.findall(spec):
-        want = _release(bound.rstrip(".*"))
-        if op == "~=":
-            ok = have >= want and have[:len(want) - 1] == want[:-1]
-        elif op in ("==", "!="):
-            ok = (have[:len(want)] == want) if bound.endswith("*") else have == want
-            ok = ok if op == "==" else not ok
-        else:
-            ok = {"<": have < want, "<=": have <= want, ">": have > want, ">=": have >= want}[op]
-        if not ok:
-            return False
-    return True
+    """Whether ``version`` meets a requirement's specifier (`<0.20,>=0.19.1`)."""
+    return SpecifierSet(spec).contains(Version(version), prereleases=True)
 
 
 def dist_version(name: str) -> str | None:
