@@ -39,12 +39,13 @@ HEADER = """\
 """
 
 #: Minutes per suite on one 2-core agent, with the venv to build (measured: scripts/test.sh's step table).
-TIMEOUTS = {"nov": 30, "plain": 30, "full": 45, "smoke": 30, "probe": 20, "compile": 15}
+TIMEOUTS = {"nov": 30, "plain": 30, "full": 45, "smoke": 30, "verify": 30, "probe": 20, "compile": 15}
 LABELS = {
     "nov": ":pytest: no vLLM: unit, op through the Triton interpreter, pipeline checks",
     "plain": ":pytest: a contributor's `pip install -e \".[test]\"` + `pytest -q`, as pip resolves today (no vLLM)",
     "full": ":python: vLLM {vllm} ({build}): full suite",
     "smoke": ":python: vLLM {vllm} ({build}): report, GPT-OSS/Granite SWA vs HF eager, MiMo probe",
+    "verify": ":python: vLLM {vllm} ({build}): report, GPT-OSS/Granite SWA vs HF eager",
     "probe": ":python: vLLM {vllm} ({build}): report, probes, drift checks",
     "compile": ":triton: Hopper kernel compiles for sm_90a under Triton {triton} (no GPU)",
 }

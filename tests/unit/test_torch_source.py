@@ -11,6 +11,10 @@ import sys
 import time
 import zipfile
 
+import pytest
+
+pytestmark = pytest.mark.vllm_independent
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "torch_source.sh"
 WHEEL = "torch==2.13.0+cpu"
 REFUSED = "http://127.0.0.1:9/simple"  # the discard port: the connection is refused, no wait

@@ -21,6 +21,7 @@ def test_variants_stay_in_their_bucket_with_token_counts_of_16():
     assert tune.variants(9) == tune.variants(9)  # seeded: the workers compile what is timed
 
 
+@pytest.mark.vllm_independent  # dry runs: stand-ins, Triton's interpreter
 def test_a_dry_run_writes_a_table_the_lookup_reads(tmp_path, monkeypatch):
     tables, out = tmp_path / "tables", tmp_path / "out"
     path = tune.main(["--dry-run", "--tables-dir", str(tables), "--out", str(out), "--jobs", "2"])
@@ -53,6 +54,7 @@ def test_a_dry_run_writes_a_table_the_lookup_reads(tmp_path, monkeypatch):
         fat.use_table_dir()
 
 
+@pytest.mark.vllm_independent  # dry runs: stand-ins, Triton's interpreter
 def test_a_tile_that_is_fast_and_wrong_is_never_chosen(tmp_path, monkeypatch, capsys):
     """The dry run's capped tile is the fastest; where it also writes a wrong output, the group
     keeps the default tile, the candidate's difference from upstream is recorded, and the classes
@@ -72,6 +74,7 @@ def test_a_tile_that_is_fast_and_wrong_is_never_chosen(tmp_path, monkeypatch, ca
         pytest.approx(2.0, rel=1e-3)
 
 
+@pytest.mark.vllm_independent  # dry runs: stand-ins, Triton's interpreter
 def test_the_default_tile_disagreeing_with_upstream_stops_the_tune(tmp_path, monkeypatch):
     (d, dtype, causal), = tune.DRY_GROUPS
     monkeypatch.setattr(tune, "DRY_WRONG_TILES", [tune.tile_candidates(d, causal)[0]])

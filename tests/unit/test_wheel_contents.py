@@ -18,6 +18,8 @@ import zipfile
 import pytest
 from packaging.version import Version
 
+pytestmark = pytest.mark.vllm_independent
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: What a user's install must never carry: the test tree, fakes, the test server.
 TEST_ONLY = ("tests/", "conftest", "fake", "server.py")
