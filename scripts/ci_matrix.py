@@ -44,7 +44,7 @@ LABELS = {
     "nov": ":pytest: no vLLM: unit, op through the Triton interpreter, pipeline checks",
     "plain": ":pytest: a contributor's `pip install -e \".[test]\"` + `pytest -q`, as pip resolves today (no vLLM)",
     "full": ":python: vLLM {vllm} ({build}): full suite",
-    "smoke": ":python: vLLM {vllm} ({build}): report, GPT-OSS/Granite SWA vs HF eager, MiMo, op bindings",
+    "smoke": ":python: vLLM {vllm} ({build}): report, MiMo, op bindings, SinkFuser (no engine)",
     "verify": ":python: vLLM {vllm} ({build}): report, GPT-OSS/Granite SWA vs HF eager (patched)",
     "probe": ":python: vLLM {vllm} ({build}): report, probes, drift checks",
     "compile": ":triton: Hopper kernel compiles for sm_90a under Triton {triton} (no GPU)",
@@ -112,8 +112,9 @@ def wheel_row(matrix: list[dict[str, str]] | None = None) -> str:
 #: SUITE_PYTEST table and its run steps say it in code).
 SUITE_WORDS = {
     "full": "`vllm-sinks report`, the unit tests, every vLLM test end to end",
-    "smoke": "`vllm-sinks report`, GPT-OSS and Granite SWA against HF eager, the MiMo probe and "
-             "window attention, the names the prefill-op patch rebinds",
+    "smoke": "`vllm-sinks report`, the MiMo probe and window attention, the names the prefill-op patch "
+             "rebinds, the SinkFuser on the pinned transformers (the end-to-end check runs on its "
+             "newest-transformers row)",
     "probe": "`vllm-sinks report`, the probes and drift checks (no CPU kernels there, so no engine)",
 }
 

@@ -32,10 +32,12 @@ declare -A SUITE_PYTEST=(
   # workers only share its tests out
   [plain]="-q"
   [full]="tests/unit tests/vllm -m 'not vllm_independent'"
-  # the MiMo probe on real vLLM classes (reads, never writes), its window attention with sinks, and
-  # the names the prefill-op patch rebinds in this release
-  [smoke]="tests/unit/test_mimo_probe_readonly.py tests/vllm/test_mimo_vision_sinks.py tests/vllm/test_prefill_op_patch.py"
-  # a vLLM again with the newest transformers: only what transformers decides (report, verify)
+  # this release without an engine run (its `V-newest` row runs one, with what users install): the MiMo
+  # probe on real vLLM classes (reads, never writes), its window attention with sinks, the names the
+  # prefill-op patch rebinds, and the SinkFuser on this row's (lowest tested) transformers
+  [smoke]="tests/unit/test_mimo_probe_readonly.py tests/vllm/test_mimo_vision_sinks.py tests/vllm/test_prefill_op_patch.py tests/unit/test_sink_fuser.py"
+  # a vLLM again with the newest transformers: the report and its end-to-end check against HF eager,
+  # patched (upstream without the patch is shown by the full rows)
   [verify]=""
   # no engine: vLLM's own wheel has no CPU kernels. Probes, forks' drift checks, the plugin loader.
   [probe]="tests/unit tests/vllm -m 'not slow and not vllm_independent'"
@@ -47,8 +49,8 @@ SERIAL_SUITES="smoke verify"
 # starting (imports, engine start-up: one core busy), so two workers on the 2-core CI machine took the
 # 0.32.0 row from 1196 s to 829 s. 1: no xdist.
 PYTEST_WORKERS=${VLLM_SINKS_PYTEST_WORKERS:-2}
-# Families the smoke and verify suites check end to end against HF eager (`vllm-sinks verify`, patch on and off).
-SMOKE_FAMILIES="gpt_oss granite_swa"
+# Families the verify suite checks end to end against HF eager (`vllm-sinks verify`).
+VERIFY_FAMILIES="gpt_oss granite_swa"
 # Cases of the Hopper kernel's compile check: both paths of the tile loop (docs/kernels/window-walk.md).
 COMPILE_CASES="mimo gpt-oss gpt-oss-gp8"
 
@@ -218,13 +220,13 @@ run_wheel_install() {  # name venv
   return $rc
 }
 
-run_verify() {  # name venv [verify args]: the smoke and verify suites' end-to-end check against HF eager
+run_verify() {  # name venv [verify args]: the verify suite's end-to-end check against HF eager
   local name=$1 venv=$2 t0 rc; shift 2; t0=$(date +%s)
   # shellcheck disable=SC2086
-  "$venv/bin/vllm-sinks" verify --family $SMOKE_FAMILIES --no-bf16 "$@" --json "$out/verify-$name.json" \
+  "$venv/bin/vllm-sinks" verify --family $VERIFY_FAMILIES --no-bf16 "$@" --json "$out/verify-$name.json" \
     2>"$out/verify-$name.log" | tee "$out/verify-$name.txt"
   rc=${PIPESTATUS[0]}
-  step "$name" "verify $SMOKE_FAMILIES $*" $rc $(( $(date +%s) - t0 ))
+  step "$name" "verify $VERIFY_FAMILIES $*" $rc $(( $(date +%s) - t0 ))
   return $rc
 }
 
@@ -255,11 +257,7 @@ run_row() {  # name: wait for the row's venv, then run its suite; failed-NAME ma
   fi
   case $suite in nov|plain) ;; *) run_report "$name" "$venv" || ok=0 ;; esac  # no vLLM: nothing to report
   if [ "$name" = "$WHEEL_ROW" ]; then run_wheel_install "$name" "$venv" || ok=0; fi
-  case $suite in
-    smoke) run_verify "$name" "$venv" || ok=0 ;;
-    # upstream without the patch is the pinned row's to show: the verdict reads the patched runs
-    verify) run_verify "$name" "$venv" --no-patch-off || ok=0 ;;
-  esac
+  if [ "$suite" = verify ]; then run_verify "$name" "$venv" --no-patch-off || ok=0; fi
   eval "args=(${SUITE_PYTEST[$suite]})"
   if [[ " $SERIAL_SUITES " != *" $suite "* ]] && [ "$PYTEST_WORKERS" -gt 1 ]; then
     args=(-n "$PYTEST_WORKERS" --dist loadfile "${args[@]}")
