@@ -118,7 +118,7 @@ compile_hopper_kernel() {  # name venv: the Hopper kernel must compile for sm_90
   done
 ) &
 builder=$!
-trap 'kill $(jobs -p) 2>/dev/null' EXIT
+trap 'kill $builder 2>/dev/null' EXIT
 
 wait_venv() {  # prints the venv path once built, or fails
   while [ ! -f "$out/venv-$1.done" ]; do sleep 5; done
